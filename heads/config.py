@@ -1,0 +1,76 @@
+"""HeadsConfig: what a set of draft heads is, and which backbone it was made for. Saved as config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class HeadsConfig:
+    kind: str = field(default="medusa", metadata={"help": "head kind (a registered name, e.g. 'medusa')"})
+    num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions after the current one"})
+    num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
+    hidden_size: int = field(default=0, metadata={"help": "backbone hidden size H"})
+    vocab_size: int = field(default=0, metadata={"help": "backbone vocabulary size V"})
+    share_lm_head: bool = field(default=True, metadata={
+        "help": "project with the backbone's frozen lm_head (small checkpoint) instead of a trained copy per head"})
+    backbone: str | None = field(default=None, metadata={"help": "backbone alias / path / Hub id the heads were made for"})
+    backbone_revision: str | None = field(default=None, metadata={"help": "backbone revision (GGUF sha256 or commit)"})
+    adapter: str | None = field(default=None, metadata={"help": "PEFT adapter merged into the backbone, if any"})
+    adapter_revision: str | None = field(default=None, metadata={"help": "revision of that adapter"})
+    tree: list[list[int]] | None = field(default=None, metadata={
+        "help": "draft tree as paths of ranks; None means the library's default tree"})
+    extra: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "provenance: training config, data, metrics (free-form, JSON-serialisable)"})
+
+    def __post_init__(self) -> None:
+        from .modeling import HEAD_KINDS
+
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"unknown head kind {self.kind!r}: known kinds are {sorted(HEAD_KINDS)}")
+        for name in ("num_heads", "hidden_size", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"HeadsConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 0:
+            raise ValueError(f"HeadsConfig.num_layers must be an integer >= 0, got {self.num_layers!r}")
+        if self.tree is not None:
+            from tokenmaxx.inference.tree import Tree
+
+            tree = Tree(self.tree)  # validates paths
+            if tree.depth > self.num_heads:
+                raise ValueError(f"tree depth {tree.depth} exceeds num_heads {self.num_heads}")
+            self.tree = [list(p) for p in tree.paths]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HeadsConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown HeadsConfig fields {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "HeadsConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"heads config {path} is missing")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"heads config {path} is not valid JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"heads config {path} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)

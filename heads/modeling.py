@@ -1,0 +1,158 @@
+"""Draft heads: the registry of head kinds, their common base (save / load / backbone checks)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .backbones import backbone_identity
+from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+
+HEAD_KINDS: dict[str, type["DraftHeads"]] = {}
+
+
+def register_head_kind(name: str):
+    """Class decorator: make a DraftHeads subclass loadable by ``HeadsConfig.kind == name``."""
+
+    def wrap(cls):
+        if name in HEAD_KINDS:
+            raise ValueError(f"head kind {name!r} is already registered by {HEAD_KINDS[name].__name__}")
+        HEAD_KINDS[name] = cls
+        cls.kind = name
+        return cls
+
+    return wrap
+
+
+class BackboneMismatchError(ValueError):
+    """Heads were made for a different backbone than the one they are attached to."""
+
+
+def _backbone_shapes(model) -> tuple[int, int]:
+    """(hidden size, vocabulary size) as the backbone's lm_head actually has them."""
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    return hidden, vocab
+
+
+class DraftHeads(nn.Module):
+    """Base of all head kinds. Subclasses implement ``forward`` and ``init_from_backbone``.
+
+    Contract of ``forward(hidden, lm_head)``: hidden ``[..., H]`` is the backbone's last (final-normed) hidden state at
+    position t; returns logits ``[K, ..., V]`` where head k (row k-1) predicts the token at t+k+1.
+    """
+
+    kind: str = ""
+
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        self.config = config
+
+    # ---- backbone compatibility -------------------------------------------------------------------------------
+    def check_backbone(self, model, strict_identity: bool = True) -> None:
+        """Raise BackboneMismatchError if these heads cannot run on ``model``."""
+        hidden, vocab = _backbone_shapes(model)
+        cfg = self.config
+        if (hidden, vocab) != (cfg.hidden_size, cfg.vocab_size):
+            raise BackboneMismatchError(
+                f"heads expect hidden size {cfg.hidden_size} and vocabulary {cfg.vocab_size} "
+                f"(made for backbone {cfg.backbone!r}), but the backbone has hidden size {hidden} and vocabulary {vocab}")
+        ident, revision = backbone_identity(model)
+        if strict_identity and cfg.backbone and ident and cfg.backbone != ident:
+            raise BackboneMismatchError(
+                f"heads were made for backbone {cfg.backbone!r} (revision {cfg.backbone_revision}), "
+                f"not {ident!r} (revision {revision}); pass strict_identity=False if they really are the same model")
+        if strict_identity and cfg.backbone_revision and revision and cfg.backbone_revision != revision \
+                and cfg.backbone == ident:
+            raise BackboneMismatchError(
+                f"heads were made for {cfg.backbone!r} at revision {cfg.backbone_revision}, "
+                f"but the backbone is at revision {revision}")
+        adapter = getattr(model.config, "tokenmaxx_adapter", None)
+        if strict_identity and cfg.adapter != adapter:
+            raise BackboneMismatchError(
+                f"heads were made for adapter {cfg.adapter!r} merged into the backbone, "
+                f"but the backbone has adapter {adapter!r}")
+
+    @classmethod
+    def for_backbone(cls, model, **config_kwargs) -> "DraftHeads":
+        """New (untrained) heads sized for ``model`` and initialised from it."""
+        hidden, vocab = _backbone_shapes(model)
+        ident, revision = backbone_identity(model)
+        config = HeadsConfig(kind=cls.kind, hidden_size=hidden, vocab_size=vocab, backbone=ident,
+                             backbone_revision=revision, adapter=getattr(model.config, "tokenmaxx_adapter", None),
+                             adapter_revision=getattr(model.config, "tokenmaxx_adapter_revision", None),
+                             **config_kwargs)
+        heads = cls(config)
+        heads.init_from_backbone(model)
+        return heads
+
+    def init_from_backbone(self, model) -> None:
+        """Initialise weights that start as copies of the backbone's (e.g. per-head lm_heads)."""
+
+    # ---- save / load ------------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write config.json + model.safetensors. Each file is written under a temp name then renamed."""
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        for name, write in ((WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"})),
+                            (CONFIG_NAME, lambda p: Path(p).write_text(self.config.to_json_string()))):
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
+            os.close(fd)
+            try:
+                write(tmp)
+                os.replace(tmp, out / name)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+
+    @staticmethod
+    def from_pretrained(path_or_repo: str | os.PathLike, revision: str | None = None,
+                        dtype: torch.dtype | None = None, **hub_kwargs) -> "DraftHeads":
+        """Load heads saved by ``save_pretrained`` (a local folder, or a Hub repo id), strictly."""
+        folder = Path(path_or_repo)
+        if not folder.is_dir():
+            folder = _download(str(path_or_repo), revision, **hub_kwargs)
+        config = HeadsConfig.from_json_file(folder / CONFIG_NAME)
+        weights = folder / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(f"heads weights {weights} are missing")
+        try:
+            state = load_file(weights)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"heads weights {weights} are corrupt or truncated ({err})") from None
+        heads = HEAD_KINDS[config.kind](config)
+        expected = heads.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"heads weights {weights} do not match a {config.kind!r} config: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in state.items():
+            if tensor.shape != expected[name].shape:
+                raise ValueError(f"heads weight {name!r} in {weights} has shape {tuple(tensor.shape)}, "
+                                 f"the config expects {tuple(expected[name].shape)}")
+        heads.load_state_dict(state, strict=True)
+        if dtype is not None:
+            heads.to(dtype)
+        heads.eval()
+        return heads
+
+
+def _download(repo_id: str, revision: str | None, **hub_kwargs) -> Path:
+    """Fetch a heads repo from the Hub (honours HF_HUB_OFFLINE and the local cache)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise FileNotFoundError(f"heads {repo_id!r}: no such local folder, and not a valid Hub repo id ({err})") from None
+    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"],
+                                  **hub_kwargs))

@@ -1,0 +1,107 @@
+"""The four steps of one speculative round, as plain functions over explicit state.
+
+Terms (used throughout tokenmaxx):
+- root: the last token the backbone chose; it is not in the KV cache yet and is node 0 of the tree.
+- node: one drafted token placed in the tree (a path of ranks, see ``tree.py``); depth d = path length.
+- path: root-to-leaf chain of nodes; a path is *accepted* up to its first candidate the backbone disagrees with.
+- accepted: candidates on the chosen path that equal what the backbone itself would have produced.
+- bonus token: the backbone's own next token after the last accepted node (it comes for free from the same forward).
+- tau (accepted length): tokens produced per backbone forward = accepted candidates + 1 bonus token.
+- head offset rule: head k reading the hidden state at position t targets the token at t+k+1; with the root at
+  t+1, head k's guesses sit at tree depth k.
+
+One round: ``propose`` (heads -> tree tokens) -> ``verify`` (one backbone forward over the tree, 4D mask) ->
+``accept_greedy`` (longest agreeing path + bonus) -> ``commit`` (keep only the accepted path in the KV cache).
+
+Letters: N tree nodes, P cached prefix length, K heads, V vocabulary, H hidden size, D tree depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import TreeBuffers
+
+
+@dataclass
+class Verified:
+    logits: torch.Tensor  # [N, V] backbone logits at each tree node
+    hidden: torch.Tensor  # [N, H] final-normed last hidden state at each tree node
+
+
+@dataclass
+class Accepted:
+    nodes: torch.Tensor  # [m+1] long: tree node indices of the accepted path, root first
+    tokens: list[int]  # the m accepted candidates followed by the bonus token (what this round emits)
+
+
+def propose(heads, lm_head, hidden: torch.Tensor, root: int, buffers: TreeBuffers) -> torch.Tensor:
+    """Heads' top-k guesses laid on the tree.
+
+    hidden: [H] backbone state at the position before the root. Returns tree tokens [N] (node 0 = root).
+    """
+    if buffers.num_nodes == 1:
+        return torch.tensor([root], dtype=torch.long)
+    logits = heads(hidden, lm_head)[: buffers.depth]  # [D, V]
+    topk = logits.topk(buffers.topk, dim=-1).indices  # [D, k]
+    flat = torch.cat([torch.tensor([root], dtype=torch.long), topk.flatten()])  # [1 + D*k]
+    return flat[buffers.token_index]  # [N]
+
+
+def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [1, 1, N, P+N]: the cached prefix is visible to all nodes; a node sees its ancestors and itself."""
+    n = buffers.num_nodes
+    bias = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype)
+    bias[0, 0, :, prefix_len:].masked_fill_(~buffers.attn_mask, torch.finfo(dtype).min)
+    return bias
+
+
+def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len: int) -> Verified:
+    """ONE backbone forward over all tree nodes through the public forward (4D mask, position_ids, Cache).
+
+    tokens: [N]; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N`` after it.
+    """
+    dtype = model.get_output_embeddings().weight.dtype
+    out = model(
+        input_ids=tokens[None],  # [1, N]
+        attention_mask=tree_attention_bias(buffers, prefix_len, dtype),  # [1, 1, N, P+N]
+        position_ids=(prefix_len + buffers.depths)[None],  # [1, N]
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+    )
+    return Verified(logits=out.logits[0], hidden=out.hidden_states[-1][0])
+
+
+def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Accepted:
+    """Longest path whose every candidate equals the backbone's argmax at its parent, plus the bonus token.
+
+    tokens: [N] tree tokens; logits: [N, V] backbone logits at each node.
+    """
+    predicted = logits.argmax(dim=-1)  # [N]: the backbone's choice after each node
+    retrieve = buffers.retrieve  # [P, D+1]
+    safe = retrieve.clamp(min=0)
+    correct = (tokens[safe[:, 1:]] == predicted[safe[:, :-1]]) & (retrieve[:, 1:] >= 0)  # [P, D]
+    accepted_len = correct.long().cumprod(dim=1).sum(dim=1)  # [P]
+    best = int(accepted_len.argmax())
+    m = int(accepted_len[best])
+    nodes = retrieve[best, : m + 1]  # [m+1]
+    return Accepted(nodes=nodes, tokens=tokens[nodes[1:]].tolist() + [int(predicted[nodes[-1]])])
+
+
+def commit(cache, prefix_len: int, nodes: torch.Tensor) -> int:
+    """Keep exactly the accepted path's KV entries: gather them to positions P..P+m, then crop the rest.
+
+    nodes: [m+1] accepted node indices (root first). Returns the new cache length P + m + 1.
+    """
+    keep = prefix_len + nodes.numel()
+    contiguous = bool((nodes == torch.arange(nodes.numel())).all())  # a chain prefix needs no gather
+    for layer in cache.layers:
+        if not contiguous:
+            src = prefix_len + nodes
+            layer.keys[..., prefix_len:keep, :] = layer.keys[..., src, :]
+            layer.values[..., prefix_len:keep, :] = layer.values[..., src, :]
+    cache.crop(keep - cache.get_seq_length())
+    return keep

@@ -1,0 +1,170 @@
+"""SpeculativeGenerator: the decode loop (prefill, then propose -> verify -> accept -> commit rounds)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone
+
+from .decoding import accept_greedy, commit, propose, verify
+from .tree import Tree, parse_tree
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0  # speculative rounds (backbone forwards after the prefill)
+    new_tokens: int = 0
+    accepted_hist: dict[int, int] = field(default_factory=dict)  # tau -> number of rounds
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def mean_tau(self) -> float:
+        """Tokens per backbone forward over the speculative rounds (accepted candidates + bonus)."""
+        total = sum(t * c for t, c in self.accepted_hist.items())
+        return total / self.steps if self.steps else 0.0
+
+    @property
+    def wall_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_tau": round(self.mean_tau, 4),
+                "accepted_hist": dict(sorted(self.accepted_hist.items())), "prefill_seconds": self.prefill_seconds,
+                "decode_seconds": self.decode_seconds, "wall_seconds": self.wall_seconds,
+                "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # [1, T_prompt + T_new] prompt followed by the new tokens (like model.generate)
+    new_tokens: list[int]
+    stats: GenerationStats
+    text: str | None = None  # decoded new tokens, when a tokenizer is known
+
+
+class SpeculativeGenerator:
+    """Speculative generation with draft heads on a frozen backbone; output equals the backbone's own.
+
+    Build it from objects (``SpeculativeGenerator(model, heads, tokenizer=tok)``) or names
+    (``SpeculativeGenerator.from_pretrained("smollm2-135m")``, which loads the shipped heads).
+    """
+
+    def __init__(self, model, heads: DraftHeads, tokenizer=None, tree: Tree | str | list | None = None,
+                 strict_identity: bool = True):
+        heads.check_backbone(model, strict_identity=strict_identity)
+        self.model = model
+        self.heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
+        self.tokenizer = tokenizer
+        self.tree = parse_tree(tree if tree is not None else heads.config.tree, heads.config.num_heads)
+        if self.tree.depth > heads.config.num_heads:
+            raise ValueError(f"tree depth {self.tree.depth} exceeds the number of heads ({heads.config.num_heads})")
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+
+    @classmethod
+    def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
+                        dtype: torch.dtype | str = torch.float32, tree=None, revision: str | None = None,
+                        **kwargs) -> "SpeculativeGenerator":
+        """Load backbone (alias / folder / Hub id) and heads (folder / Hub id; default: the shipped ones)."""
+        if heads is None:
+            heads = default_heads_path(backbone)
+            if heads is None:
+                raise FileNotFoundError(f"no heads are shipped for backbone {backbone!r}; pass heads=PATH_OR_REPO")
+        model, tokenizer = load_backbone(backbone, dtype=dtype)
+        return cls(model, DraftHeads.from_pretrained(heads, revision=revision), tokenizer=tokenizer, tree=tree,
+                   **kwargs)
+
+    # ---- inputs -----------------------------------------------------------------------------------------------
+    def encode(self, prompt) -> torch.Tensor:
+        """input_ids [1, T] from a token tensor/list, a text, or chat messages (through the chat template)."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("a text or chat prompt needs a tokenizer: pass tokenizer= or token ids")
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError("the prompt is empty")
+                ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+            else:
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True,
+                                                         return_tensors="pt")["input_ids"]
+        else:
+            ids = torch.as_tensor(prompt, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(ids.shape)}")
+        if ids.shape[0] != 1:
+            raise ValueError(f"only batch size 1 is supported, got a batch of {ids.shape[0]}")
+        if ids.shape[1] == 0:
+            raise ValueError("the prompt is empty (no tokens)")
+        return ids
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt, max_new_tokens: int = 128, streamer=None) -> GenerationOutput:
+        """Greedy speculative generation; the tokens equal ``model.generate(do_sample=False)``'s.
+
+        Stops at any EOS id of the backbone's generation config, at ``max_new_tokens``. A prompt plus
+        ``max_new_tokens`` beyond the backbone's context is refused up front.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        input_ids = self.encode(prompt)
+        prompt_len = input_ids.shape[1]
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and prompt_len + max_new_tokens > context:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                             f"{prompt_len + max_new_tokens} exceeds the backbone's context of {context} tokens")
+        stats = GenerationStats()
+        lm_head = self.model.get_output_embeddings()
+        if streamer is not None:
+            streamer.put(input_ids)
+
+        start = time.perf_counter()
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        root = int(out.logits[0, -1].argmax())
+        hidden = out.hidden_states[-1][0, -1]  # [H]
+        prefix_len = prompt_len
+        new_tokens = [root]
+        stats.prefill_seconds = time.perf_counter() - start
+        if streamer is not None:
+            streamer.put(torch.tensor([root]))
+
+        start = time.perf_counter()
+        while root not in self.eos_ids and len(new_tokens) < max_new_tokens:
+            # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
+            buffers = self.tree.truncate(max_new_tokens - len(new_tokens) - 1).buffers
+            tokens = propose(self.heads, lm_head, hidden, root, buffers)  # [N]
+            verified = verify(self.model, cache, tokens, buffers, prefix_len)
+            accepted = accept_greedy(tokens, verified.logits, buffers)
+            prefix_len = commit(cache, prefix_len, accepted.nodes)
+            hidden = verified.hidden[accepted.nodes[-1]]  # [H]
+            emitted = accepted.tokens
+            for i, tok in enumerate(emitted):
+                if tok in self.eos_ids:
+                    emitted = emitted[: i + 1]
+                    break
+            emitted = emitted[: max_new_tokens - len(new_tokens)]
+            stats.steps += 1
+            stats.accepted_hist[len(accepted.tokens)] = stats.accepted_hist.get(len(accepted.tokens), 0) + 1
+            new_tokens.extend(emitted)
+            root = emitted[-1]
+            if streamer is not None:
+                streamer.put(torch.tensor(emitted))
+        stats.decode_seconds = time.perf_counter() - start
+        stats.new_tokens = len(new_tokens)
+        if streamer is not None:
+            streamer.end()
+        sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long)], dim=1)
+        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)

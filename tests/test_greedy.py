@@ -1,0 +1,87 @@
+"""Speculative greedy output is token-identical to model.generate(do_sample=False) on tiny random backbones."""
+
+import pytest
+import torch
+from conftest import OracleHeads, greedy_reference, random_heads, tiny_model
+
+from tokenmaxx.inference import SpeculativeGenerator, chain, default_tree, Tree
+
+
+def _prompts(n, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        length = int(torch.randint(1, 20, (1,), generator=gen))
+        yield torch.randint(3, vocab, (1, length), generator=gen), int(torch.randint(1, 40, (1,), generator=gen))
+
+
+@pytest.mark.parametrize("tree", [default_tree(), chain(4), Tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])],
+                         ids=["default", "chain4", "small"])
+def test_random_heads_match_greedy(model, tree):
+    gen = SpeculativeGenerator(model, random_heads(model), tree=tree)
+    for input_ids, max_new in _prompts(8, model.config.vocab_size, seed=1):
+        expected = greedy_reference(model, input_ids, max_new)
+        out = gen.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist()
+        assert out.stats.new_tokens == expected.shape[1] - input_ids.shape[1]
+
+
+@pytest.mark.parametrize("p_top", [1.0, 0.6])
+def test_oracle_heads_match_greedy_with_long_acceptance(model, p_top):
+    total_steps = total_tokens = 0
+    for i, (input_ids, max_new) in enumerate(_prompts(6, model.config.vocab_size, seed=2)):
+        max_new += 20
+        expected = greedy_reference(model, input_ids, max_new)
+        # the oracle needs the continuation beyond max_new too, for its look-ahead near the end
+        oracle = OracleHeads(model, greedy_reference(model, input_ids, max_new + 8), p_top=p_top,
+                             p_wrong=0.0 if p_top == 1.0 else 0.15, seed=i)
+        out = SpeculativeGenerator(model, oracle).generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist()
+        total_steps += out.stats.steps
+        total_tokens += out.stats.new_tokens - 1  # the first token comes from the prefill
+    tau = total_tokens / total_steps
+    assert tau > (4.0 if p_top == 1.0 else 2.0), tau  # long paths (through side branches) were really accepted
+
+
+def test_eos_stops_generation():
+    model = tiny_model("llama", seed=3)
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    expected = greedy_reference(model, input_ids, 30)
+    new = expected[0, 4:].tolist()
+    eos = new[5]  # make the 6th generated token an EOS id: both must stop right after it
+    model.generation_config.eos_token_id = [eos, 2]
+    expected = greedy_reference(model, input_ids, 30)
+    assert expected[0, -1].item() == eos and expected.shape[1] <= 4 + 6
+    oracle = OracleHeads(model, greedy_reference(model, input_ids, 40), p_top=1.0, p_wrong=0.0)
+    out = SpeculativeGenerator(model, oracle).generate(input_ids, max_new_tokens=30)
+    assert out.sequences.tolist() == expected.tolist()
+
+
+def test_eager_attention_matches_greedy():
+    model = tiny_model("llama", seed=4, attn="eager")
+    gen = SpeculativeGenerator(model, random_heads(model))
+    for input_ids, max_new in _prompts(4, model.config.vocab_size, seed=5):
+        assert gen.generate(input_ids, max_new).sequences.tolist() == \
+            greedy_reference(model, input_ids, max_new).tolist()
+
+
+def test_stats_and_streamer(model):
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    input_ids = torch.tensor([[3, 4, 5]])
+    model.generation_config.eos_token_id = None  # run the full length
+    rec = Recorder()
+    out = SpeculativeGenerator(model, random_heads(model)).generate(input_ids, max_new_tokens=12, streamer=rec)
+    assert rec.ended and rec.chunks[0] == [3, 4, 5]
+    assert sum(rec.chunks[1:], []) == out.new_tokens
+    s = out.stats
+    assert s.steps == sum(s.accepted_hist.values())
+    assert s.new_tokens == len(out.new_tokens) == 12 and s.tokens_per_s > 0
+    assert 1.0 <= s.mean_tau
