@@ -163,12 +163,16 @@ def backbone_identity(model) -> tuple[str, str | None]:
 
 
 def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch.float32,
-                  revision: str | None = None, attn_implementation: str = "sdpa"):
+                  revision: str | None = None, attn_implementation: str = "sdpa", adapter: str | None = None,
+                  adapter_revision: str | None = None):
     """Load a causal LM backbone and its tokenizer, frozen and in eval mode.
 
     Args:
         name_or_path: a registered alias (see ``BACKBONES``), a local HF folder, or a Hub id.
         dtype: torch dtype or its name ("float32", "bfloat16", "float16").
+        adapter: a PEFT adapter (folder or Hub id) merged into the backbone; recorded in ``model.config`` as
+            ``tokenmaxx_adapter`` / ``tokenmaxx_adapter_revision`` (a local adapter's revision is the sha256 of its
+            weights), which heads trained on the merged model are checked against.
     Returns:
         (model, tokenizer)
     """
@@ -182,6 +186,24 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision,
                                                  attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    if adapter is not None:
+        model = _merge_adapter(model, adapter, adapter_revision)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _merge_adapter(model, adapter: str, revision: str | None):
+    from peft import PeftModel
+
+    local = Path(adapter)
+    if local.exists() and not (local / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"adapter {adapter} is not a PEFT adapter folder (no adapter_config.json)")
+    model = PeftModel.from_pretrained(model, adapter, revision=revision).merge_and_unload()
+    if local.is_dir():
+        weights = sorted(local.glob("adapter_model.*"))
+        digest = hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest()
+        revision = revision or f"sha256:{digest[:16]}"
+    model.config.tokenmaxx_adapter = adapter
+    model.config.tokenmaxx_adapter_revision = revision
+    return model

@@ -73,10 +73,17 @@ class DraftHeads(nn.Module):
                 f"heads were made for {cfg.backbone!r} at revision {cfg.backbone_revision}, "
                 f"but the backbone is at revision {revision}")
         adapter = getattr(model.config, "tokenmaxx_adapter", None)
-        if strict_identity and cfg.adapter != adapter:
-            raise BackboneMismatchError(
-                f"heads were made for adapter {cfg.adapter!r} merged into the backbone, "
-                f"but the backbone has adapter {adapter!r}")
+        adapter_revision = getattr(model.config, "tokenmaxx_adapter_revision", None)
+        if strict_identity and (cfg.adapter is not None or adapter is not None):
+            if cfg.adapter_revision and adapter_revision:  # content hashes / commits: paths may differ per machine
+                same = cfg.adapter_revision == adapter_revision
+            else:
+                same = cfg.adapter == adapter
+            if not same:
+                raise BackboneMismatchError(
+                    f"heads were made for the backbone with adapter {cfg.adapter!r} (revision {cfg.adapter_revision}) "
+                    f"merged in, but this backbone has adapter {adapter!r} (revision {adapter_revision}); "
+                    "load it with load_backbone(..., adapter=...)")
 
     @classmethod
     def for_backbone(cls, model, **config_kwargs) -> "DraftHeads":

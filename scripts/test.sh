@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the whole test suite, the real-model tier included (it must not skip here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+TOKENMAXX_REQUIRE_REAL=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

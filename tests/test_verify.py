@@ -1,0 +1,88 @@
+"""Verification through the public forward: tree logits equal per-path forwards; commit leaves the plain cache."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache
+
+from tokenmaxx.inference import Tree, accept_greedy, commit, verify
+from tokenmaxx.inference.decoding import tree_attention_bias
+
+TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+
+
+def _prefill(model, prefix):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prefix, past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_logits_equal_per_path_forwards(arch, attn):
+    model = tiny_model(arch, seed=7, attn=attn)
+    prefix = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    buffers = TREE.buffers
+    tokens = torch.randint(3, 96, (buffers.num_nodes,), generator=torch.Generator().manual_seed(1))
+    cache = _prefill(model, prefix)
+    with torch.no_grad():
+        verified = verify(model, cache, tokens, buffers, prefix.shape[1])
+    assert cache.get_seq_length() == prefix.shape[1] + buffers.num_nodes
+    for path in buffers.retrieve.tolist():
+        nodes = [n for n in path if n >= 0]
+        seq = torch.cat([prefix[0], tokens[nodes]])[None]
+        with torch.no_grad():
+            out = model(seq, output_hidden_states=True)
+        ref_logits = out.logits[0, prefix.shape[1]:]
+        torch.testing.assert_close(verified.logits[nodes], ref_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(verified.hidden[nodes], out.hidden_states[-1][0, prefix.shape[1]:],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_attention_bias_layout():
+    bias = tree_attention_bias(Tree([(0,), (1,)]).buffers, prefix_len=2, dtype=torch.float32)
+    assert bias.shape == (1, 1, 3, 5)
+    allowed = (bias[0, 0] == 0).tolist()
+    assert allowed == [[True, True, True, False, False],
+                       [True, True, True, True, False],
+                       [True, True, True, False, True]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_commit_leaves_the_cache_of_a_plain_forward(arch):
+    model = tiny_model(arch, seed=8)
+    prefix = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    buffers = TREE.buffers
+    tokens = torch.randint(3, 96, (buffers.num_nodes,), generator=torch.Generator().manual_seed(3))
+    for accepted_nodes in ([0], [0, 2], [0, 1, 5, 8], [0, 1, 4, 7], [0, 2, 6]):
+        cache = _prefill(model, prefix)
+        with torch.no_grad():
+            verify(model, cache, tokens, buffers, prefix.shape[1])
+        nodes = torch.tensor(accepted_nodes)
+        new_len = commit(cache, prefix.shape[1], nodes)
+        assert new_len == cache.get_seq_length() == prefix.shape[1] + len(accepted_nodes)
+        plain = _prefill(model, torch.cat([prefix[0], tokens[nodes]])[None])
+        for got, want in zip(cache.layers, plain.layers):
+            torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+def test_accept_greedy_on_hand_built_logits():
+    buffers = TREE.buffers  # nodes: 0 root,1 (0,),2 (1,),3 (2,),4 (0,0),5 (0,1),6 (1,0),7 (0,0,0),8 (0,1,0)
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17, 18])
+    logits = torch.zeros(9, 32)
+
+    def says(node, token):
+        logits[node] = 0
+        logits[node, token] = 1
+
+    says(0, 11)  # root -> backbone wants 11 = node 1 (rank 0)
+    says(1, 15)  # after node 1 it wants 15 = node 5 (the side branch (0, 1))
+    says(5, 18)  # after node 5 it wants 18 = node 8
+    says(8, 30)  # bonus
+    acc = accept_greedy(tokens, logits, buffers)
+    assert acc.nodes.tolist() == [0, 1, 5, 8] and acc.tokens == [11, 15, 18, 30]
+    says(0, 31)  # nothing agrees: only the bonus token
+    acc = accept_greedy(tokens, logits, buffers)
+    assert acc.nodes.tolist() == [0] and acc.tokens == [31]
