@@ -57,7 +57,9 @@ class SpeculativeGenerator:
     """Speculative generation with draft heads on a frozen backbone; output equals the backbone's own.
 
     Build it from objects (``SpeculativeGenerator(model, heads, tokenizer=tok)``) or names
-    (``SpeculativeGenerator.from_pretrained("smollm2-135m")``, which loads the shipped heads).
+    (``SpeculativeGenerator.from_pretrained("smollm2-135m")``, which loads the shipped heads). ``tree``: a Tree, a
+    list of paths, "default", "chain:K", "auto" (chosen for this machine, see ``tree_search``), or None for the
+    heads' own tree (``heads.config.tree``, else the default).
     """
 
     def __init__(self, model, heads: DraftHeads, tokenizer=None, tree: Tree | str | list | None = None,
@@ -66,7 +68,14 @@ class SpeculativeGenerator:
         self.model = model
         self.heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
         self.tokenizer = tokenizer
-        self.tree = parse_tree(tree if tree is not None else heads.config.tree, heads.config.num_heads)
+        if tree == "auto":  # calibrated for this machine (cached per backbone + heads + machine)
+            from .tree_search import auto_tree
+
+            if tokenizer is None:
+                raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
+            self.tree = auto_tree(model, self.heads, tokenizer)
+        else:
+            self.tree = parse_tree(tree if tree is not None else heads.config.tree, heads.config.num_heads)
         if self.tree.depth > heads.config.num_heads:
             raise ValueError(f"tree depth {self.tree.depth} exceeds the number of heads ({heads.config.num_heads})")
         eos = model.generation_config.eos_token_id

@@ -34,7 +34,8 @@ class GenerateArgs:
     dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     tree: str | None = field(default=None, metadata={
-        "help": "draft tree: 'default', 'chain:K', a JSON list of paths or a JSON file; default: the heads' own"})
+        "help": "draft tree: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list of paths or a JSON "
+                "file; default: the heads' own"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (text, token ids, stats)"})
     stream: bool = field(default=False, metadata={"help": "stream the text as it is generated"})
     compare: bool = field(default=False, metadata={

@@ -1,0 +1,211 @@
+"""Benchmark speculative generation against plain generate and transformers' peers, in one interleaved run.
+
+Every method runs on the same backbone, dtype, threads and prompts; per prompt the methods run one after another
+(rotating their order), after a warm-up. tau is tokens per backbone forward for every method (the prefill counts as a
+forward that yields one token), counted by a forward hook on the backbone, so peers and tokenmaxx are comparable.
+
+Output JSON shape (fixed): ``{"config", "machine", "methods": {name: {"overall": S, "categories": {cat: S}}}}`` with
+``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+MT_BENCH_KINDS = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@dataclass
+class Prompt:
+    question_id: int | str
+    category: str
+    input_ids: torch.Tensor  # [1, T]
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float
+    forwards: int
+
+
+@dataclass
+class MethodResult:
+    runs: dict[int, Run] = field(default_factory=dict)  # prompt index -> run
+
+
+def load_prompts(path: str | Path, tokenizer, limit: int | None = None, group_mt_bench: bool = True) -> list[Prompt]:
+    """Spec-Bench-style jsonl (question_id, category, turns): first turn through the chat template."""
+    prompts, per_cat = [], {}
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "turns" not in row or not row["turns"]:
+                raise ValueError(f"{path}:{line_no}: expected a Spec-Bench record with non-empty 'turns'")
+            cat = row.get("category", "all")
+            if group_mt_bench and cat in MT_BENCH_KINDS:
+                cat = "mt_bench"
+            if limit is not None and per_cat.get(cat, 0) >= limit:
+                continue
+            per_cat[cat] = per_cat.get(cat, 0) + 1
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
+                                                add_generation_prompt=True, return_dict=True,
+                                                return_tensors="pt")["input_ids"]
+            prompts.append(Prompt(row.get("question_id", line_no), cat, ids))
+    if not prompts:
+        raise ValueError(f"no prompts in {path}")
+    return prompts
+
+
+class ForwardCounter:
+    """Counts calls of a module's forward (the backbone's), as a context manager."""
+
+    def __init__(self, module):
+        self.module, self.count, self.handle = module, 0, None
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def __enter__(self):
+        self.count = 0
+        self.handle = self.module.register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def hf_method(model, **generate_kwargs) -> Callable[[torch.Tensor, int], list[int]]:
+    """A method that calls model.generate greedily with extra kwargs (prompt lookup, assistant model)."""
+
+    def run(input_ids, max_new_tokens):
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, **generate_kwargs)
+        return out[0, input_ids.shape[1]:].tolist()
+
+    return run
+
+
+def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], list[int]]:
+    def run(input_ids, max_new_tokens):
+        return generator.generate(input_ids, max_new_tokens=max_new_tokens).new_tokens
+
+    return run
+
+
+def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], max_new_tokens: int,
+                  warmup: int = 2, progress: bool = True) -> dict[str, MethodResult]:
+    """Interleaved per prompt, rotating the method order; ``baseline`` must be one of the methods."""
+    from tqdm.auto import tqdm
+
+    if "baseline" not in methods:
+        raise ValueError("the methods must include 'baseline' (speedups are relative to it)")
+    names = list(methods)
+    with torch.inference_mode():
+        for prompt in prompts[:warmup]:
+            for name in names:
+                methods[name](prompt.input_ids, min(16, max_new_tokens))
+        results = {name: MethodResult() for name in names}
+        bar = tqdm(prompts, desc="bench", disable=not progress)
+        for i, prompt in enumerate(bar):
+            order = names[i % len(names):] + names[: i % len(names)]
+            for name in order:
+                with ForwardCounter(model) as counter:
+                    start = time.perf_counter()
+                    tokens = methods[name](prompt.input_ids, max_new_tokens)
+                    seconds = time.perf_counter() - start
+                results[name].runs[i] = Run(tokens, seconds, counter.count)
+    return results
+
+
+def _summary(runs: list[Run], base: list[Run]) -> dict:
+    tokens = sum(len(r.tokens) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    base_tps = sum(len(r.tokens) for r in base) / sum(r.seconds for r in base)
+    tps = tokens / seconds if seconds else 0.0
+    return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tps, 3),
+            "speedup": round(tps / base_tps, 4) if base_tps else None,
+            "tau": round(tokens / max(sum(r.forwards for r in runs), 1), 4),
+            "identical_rate": round(sum(r.tokens == b.tokens for r, b in zip(runs, base)) / len(runs), 4),
+            "prompts": len(runs)}
+
+
+def summarize(results: dict[str, MethodResult], prompts: list[Prompt]) -> dict:
+    """Per method: overall and per category summaries (speedup and identity vs 'baseline')."""
+    base = results["baseline"].runs
+    cats = sorted({p.category for p in prompts})
+    out = {}
+    for name, res in results.items():
+        idx = sorted(res.runs)
+        out[name] = {
+            "overall": _summary([res.runs[i] for i in idx], [base[i] for i in idx]),
+            "categories": {c: _summary([res.runs[i] for i in idx if prompts[i].category == c],
+                                       [base[i] for i in idx if prompts[i].category == c]) for c in cats},
+        }
+    return out
+
+
+def machine_info(threads: int, dtype: str) -> dict:
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "dtype": dtype, "platform": platform.platform()}
+
+
+def markdown_table(report: dict) -> str:
+    methods = report["methods"]
+    cats = list(next(iter(methods.values()))["categories"])
+    head = "| method | " + " | ".join(cats) + " | overall | tau | identical |\n"
+    head += "|---" * (len(cats) + 4) + "|\n"
+    rows = []
+    for name, m in methods.items():
+        cells = [f"{m['categories'][c]['speedup']:.2f}x ({m['categories'][c]['tau']:.2f})" for c in cats]
+        o = m["overall"]
+        rows.append(f"| {name} | " + " | ".join(cells) +
+                    f" | **{o['speedup']:.2f}x** ({o['tokens_per_s']:.1f} tok/s) | {o['tau']:.2f} | "
+                    f"{o['identical_rate']:.0%} |")
+    return head + "\n".join(rows) + "\n\nCells: speedup vs baseline (tau = tokens per backbone forward).\n"
+
+
+def plot(report: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = report["methods"]
+    cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(methods)
+    for j, (name, m) in enumerate(methods.items()):
+        stats = [m["categories"][c] for c in cats[:-1]] + [m["overall"]]
+        xs = [i + j * width for i in range(len(cats))]
+        axes[0].bar(xs, [s["speedup"] for s in stats], width, label=name)
+        axes[1].bar(xs, [s["tau"] for s in stats], width, label=name)
+    for ax, title in zip(axes, ("speedup vs plain generate", "tau (tokens per backbone forward)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=8)
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['backbone']} {cfg['dtype']}, {cfg['threads']} threads, {cfg['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

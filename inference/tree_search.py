@@ -1,0 +1,212 @@
+"""Hardware-aware draft trees: choose the tree that maximises expected tokens per second on this machine.
+
+    expected tokens/s (tree) = E[tau](tree) / (verify_latency(N) + overhead)
+
+E[tau] = 1 (bonus token) + sum over the tree's nodes of P(the path to that node is accepted). With Medusa heads every
+head proposes the same top-k whatever the parent, so a path (r1..rd) is accepted exactly when, at that position, the
+true token t+k+1 sits at rank r_k of head k for every k <= d. Calibration records, per position, the rank of the true
+token in each head (``ranks [T, K]``), so P(path) is an empirical joint frequency, with no independence assumption.
+Because P(prefix) >= P(path), the best tree of each size N takes the N-1 most frequent paths (prefix-closed by
+construction); the search then only has to pick N, using the measured verify latency of N tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .tree import Tree
+
+# Generic calibration prompts (never benchmark prompts): a mix of chat, code, math, rewriting and summarising.
+CALIBRATION_PROMPTS = (
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",
+    "A train travels 180 km in 2.5 hours. What is its average speed? Show your reasoning.",
+    "Give me five tips for writing a clear email to a busy colleague.",
+    "Summarize the plot of a story in which a lighthouse keeper finds a message in a bottle.",
+    "Translate to French: 'The weather is nice today, so we will walk to the market.'",
+    "What are the differences between a list and a tuple in Python?",
+    "Describe the water cycle for a ten-year-old.",
+)
+LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tuple[tuple[int, ...], float]]:
+    """All paths seen in calibration with their acceptance probability, most probable first.
+
+    ranks: [T, K] rank of the true token t+k+1 in head k's distribution at position t (>= max_rank: not in a tree).
+    """
+    total, (_, num_heads) = ranks.shape[0], ranks.shape
+    counts: Counter = Counter()
+    for row in ranks.tolist():
+        path = []
+        for r in row:
+            if r >= max_rank:
+                break
+            path.append(r)
+            counts[tuple(path)] += 1
+    return sorted(((p, c / total) for p, c in counts.items()), key=lambda pv: (-pv[1], len(pv[0]), pv[0]))
+
+
+def ordered_paths_from_accuracy(rank_accuracy: Sequence[Sequence[float]],
+                                max_nodes: int) -> list[tuple[tuple[int, ...], float]]:
+    """Paths by the product of per-head rank accuracies (Medusa's model), most probable first."""
+    from .tree import sparse_tree
+
+    tree = sparse_tree(rank_accuracy, max_nodes)
+    values = {}
+    for path in tree.paths:
+        v = 1.0
+        for k, r in enumerate(path):
+            v *= rank_accuracy[k][r]
+        values[path] = v
+    return sorted(values.items(), key=lambda pv: (-pv[1], len(pv[0]), pv[0]))
+
+
+def interpolate(latency: dict[int, float], n: int) -> float:
+    """Verify latency of n tokens, linearly interpolated between measured sizes (extrapolated past the ends)."""
+    sizes = sorted(latency)
+    if n in latency:
+        return latency[n]
+    lo = max([s for s in sizes if s < n], default=sizes[0])
+    hi = min([s for s in sizes if s > n], default=sizes[-1])
+    if lo == hi:  # outside the measured range: extend the nearest segment
+        a, b = (sizes[-2], sizes[-1]) if n > sizes[-1] else (sizes[0], sizes[1])
+        lo, hi = a, b
+    return latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo)
+
+
+def choose_tree(ordered: list[tuple[tuple[int, ...], float]], latency: dict[int, float], overhead: float,
+                max_nodes: int = 64, max_depth: int | None = None) -> tuple[Tree, list[dict]]:
+    """Best tree over sizes N = 1..max_nodes: maximise (1 + sum of node probabilities) / (latency(N) + overhead).
+
+    ``ordered``: (path, probability) most probable first. Returns the tree and the table of every size considered.
+    """
+    paths = [(p, v) for p, v in ordered if max_depth is None or len(p) <= max_depth][: max_nodes - 1]
+    table, expected = [], 1.0
+    for n in range(1, len(paths) + 2):
+        if n > 1:
+            expected += paths[n - 2][1]
+        seconds = interpolate(latency, n) + overhead
+        table.append({"nodes": n, "expected_tau": expected, "step_seconds": seconds,
+                      "tokens_per_s": expected / seconds})
+    best = max(table, key=lambda row: row["tokens_per_s"])
+    return Tree([p for p, _ in paths[: best["nodes"] - 1]]), table
+
+
+# ---- measurements on this machine ------------------------------------------------------------------------------
+@torch.inference_mode()
+def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int = 256,
+                    repeats: int = 5) -> dict[int, float]:
+    """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len`` (min over repeats)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen), past_key_values=cache, use_cache=True)
+    out = {}
+    for n in sizes:
+        ids = torch.randint(vocab, (1, n), generator=gen)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            best = min(best, time.perf_counter() - start)
+            cache.crop(-n)
+        out[n] = best
+    return out
+
+
+@torch.inference_mode()
+def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS,
+                    max_new_tokens: int = 128, max_rank: int = 10) -> torch.Tensor:
+    """Ranks [T, K] of the backbone's own greedy continuation in each head's top-``max_rank`` (max_rank = absent)."""
+    lm_head = model.get_output_embeddings()
+    rows = []
+    for text in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")["input_ids"]
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False)  # [1, T]
+        hidden = model(seq, output_hidden_states=True).hidden_states[-1][0]  # [T, H]
+        start = ids.shape[1] - 1  # first position whose next token is generated
+        logits = heads(hidden[start:], lm_head)  # [K, T', V]
+        top = logits.topk(max_rank, dim=-1).indices  # [K, T', R]
+        seq = seq[0]
+        num_heads, length = top.shape[0], top.shape[1]
+        for t in range(length):
+            pos = start + t
+            row = []
+            for k in range(1, num_heads + 1):
+                target = pos + k + 1  # head k at position t targets t+k+1
+                if target >= seq.numel():
+                    row.append(max_rank)
+                    continue
+                hit = (top[k - 1, t] == seq[target]).nonzero()
+                row.append(int(hit[0, 0]) if hit.numel() else max_rank)
+            rows.append(row)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
+    """Seconds per speculative step spent outside the verify forward (propose, accept, commit, loop)."""
+    from .generator import SpeculativeGenerator
+
+    gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, tree=tree, strict_identity=False)
+    out = gen.generate([{"role": "user", "content": CALIBRATION_PROMPTS[0]}], max_new_tokens=48)
+    s = out.stats
+    return max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1)
+
+
+# ---- caching ------------------------------------------------------------------------------------------------------
+def machine_fingerprint(model) -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "dtype": str(model.get_output_embeddings().weight.dtype)}
+
+
+def calibration_key(model, heads, machine: dict) -> str:
+    """Cache key over backbone identity, the heads' weights and the machine fingerprint."""
+    from tokenmaxx.heads import backbone_identity
+
+    digest = hashlib.sha256()
+    digest.update(json.dumps([backbone_identity(model), machine], sort_keys=True, default=str).encode())
+    for name, tensor in sorted(heads.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | None = None,
+              refresh: bool = False) -> Tree:
+    """Calibrate (or read the cached calibration) and return the tree with the best expected tokens/s."""
+    from tokenmaxx.heads import cache_dir
+
+    machine = machine_fingerprint(model)
+    path = (cache_root or cache_dir() / "calibration") / f"{calibration_key(model, heads, machine)}.json"
+    if path.is_file() and not refresh:
+        return Tree(json.loads(path.read_text())["tree"])
+    ranks = calibrate_ranks(model, heads, tokenizer)
+    latency = measure_latency(model)
+    overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]))
+    tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
+                              max_depth=heads.config.num_heads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"tree": [list(p) for p in tree.paths], "machine": machine,
+                               "latency": latency, "overhead": overhead, "positions": ranks.shape[0],
+                               "table": table}, indent=1))
+    tmp.replace(path)
+    return tree

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Benchmark tokenmaxx against plain generate, prompt lookup and assisted generation in one interleaved run.
+
+    python scripts/bench.py --limit 5 --methods baseline,prompt_lookup,tokenmaxx,tokenmaxx:chain:4 --out runs/bench
+
+Writes OUT.json (config, machine, methods -> overall/categories), OUT.md (table) and OUT.png (plot).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import HfArgumentParser
+
+from tokenmaxx.heads import DEFAULT_BACKBONE, BACKBONES, DraftHeads, MedusaHeads, default_heads_path, load_backbone
+from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, run_benchmark,
+                                           summarize, tokenmaxx_method)
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPTS = REPO.parent / "shared" / "bench" / "spec_bench_dev.jsonl"
+
+
+@dataclass
+class BenchArgs:
+    backbone: str = field(default=DEFAULT_BACKBONE, metadata={"help": "backbone alias, folder or Hub id"})
+    heads: str | None = field(default=None, metadata={
+        "help": "heads folder or Hub id (default: the shipped heads; 'untrained' for fresh heads)"})
+    dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16"})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
+    methods: str = field(default="baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:4", metadata={
+        "help": "comma list of: baseline, prompt_lookup, assisted, tokenmaxx, tokenmaxx:<tree> "
+                "(tree = default | chain:K | auto | JSON file)"})
+    prompts: str = field(default=str(DEFAULT_PROMPTS), metadata={
+        "help": "Spec-Bench-style jsonl (question_id, category, turns)"})
+    limit: int | None = field(default=None, metadata={"help": "at most this many prompts per category"})
+    lookup_tokens: str = field(default="3,10", metadata={
+        "help": "prompt_lookup_num_tokens settings to try; the best overall is reported as prompt_lookup"})
+    draft: str | None = field(default=None, metadata={
+        "help": "draft model for 'assisted' (alias/folder); default: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b"})
+    warmup: int = field(default=2, metadata={"help": "prompts run (short) by every method before timing"})
+    out: str = field(default="runs/bench", metadata={"help": "output path prefix (.json, .md, .png)"})
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0 or self.threads <= 0:
+            raise ValueError("--max_new_tokens and --threads must be positive")
+        if self.limit is not None and self.limit <= 0:
+            raise ValueError(f"--limit must be positive, got {self.limit}")
+
+
+def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
+    """name -> callable(input_ids, max_new_tokens) -> new tokens; plus notes (skipped methods, choices)."""
+    methods, notes = {"baseline": hf_method(model)}, {}
+    heads = None
+    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        if name == "baseline":
+            continue
+        if name == "prompt_lookup":
+            for k in [int(x) for x in args.lookup_tokens.split(",")]:
+                methods[f"prompt_lookup:{k}"] = hf_method(model, prompt_lookup_num_tokens=k)
+        elif name == "assisted":
+            draft = args.draft or ("qwen2.5-coder-0.5b" if args.backbone == "qwen2.5-coder-1.5b" else None)
+            if draft is None:
+                notes["assisted"] = f"skipped: no draft model known for {args.backbone} (pass --draft)"
+                continue
+            try:
+                draft_model, _ = load_backbone(draft, dtype=args.dtype)
+            except FileNotFoundError as err:
+                notes["assisted"] = f"skipped: draft model {draft} is not installed ({err})"
+                continue
+            methods["assisted"] = hf_method(model, assistant_model=draft_model)
+        elif name == "tokenmaxx" or name.startswith("tokenmaxx:"):
+            if heads is None:
+                heads = load_heads(args, model)
+            gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer,
+                                       tree=name.split(":", 1)[1] if ":" in name else None)
+            notes[f"{name} tree"] = [list(p) for p in gen.tree.paths]
+            methods[name] = tokenmaxx_method(gen)
+        else:
+            raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, tokenmaxx, "
+                             "tokenmaxx:<tree>")
+    return methods, notes
+
+
+def load_heads(args: BenchArgs, model) -> DraftHeads:
+    if args.heads == "untrained":
+        return MedusaHeads.for_backbone(model)
+    path = args.heads or default_heads_path(args.backbone)
+    if path is None:
+        raise SystemExit(f"no heads shipped for {args.backbone!r}; pass --heads PATH or --heads untrained")
+    return DraftHeads.from_pretrained(path)
+
+
+def main(argv=None) -> int:
+    (args,) = HfArgumentParser(BenchArgs).parse_args_into_dataclasses(argv)
+    if args.backbone not in BACKBONES and not Path(args.backbone).exists() and "/" not in args.backbone:
+        raise SystemExit(f"unknown backbone {args.backbone!r}")
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype)
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    methods, notes = build_methods(args, model, tokenizer)
+    for name, note in notes.items():
+        if isinstance(note, str):
+            print(f"{name}: {note}", file=sys.stderr)
+    results = run_benchmark(model, methods, prompts, args.max_new_tokens, warmup=args.warmup)
+    summary = summarize(results, prompts)
+    lookups = {k: v for k, v in summary.items() if k.startswith("prompt_lookup:")}
+    if lookups:  # report the best setting as prompt_lookup
+        best = max(lookups, key=lambda k: lookups[k]["overall"]["tokens_per_s"])
+        notes["prompt_lookup"] = {"best": best, "overall_by_setting": {k: v["overall"] for k, v in lookups.items()}}
+        summary = {("prompt_lookup" if k == best else k): v for k, v in summary.items() if k == best or k not in lookups}
+    report = {"config": {**asdict(args), "prompt_count": len(prompts), "notes": notes},
+              "machine": machine_info(args.threads, args.dtype), "methods": summary}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    table = markdown_table(report)
+    out.with_suffix(".md").write_text(table)
+    try:
+        plot(report, out.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""bench.py end to end on a tiny model; the tree optimizer on hand-made tables; calibration cache keys."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+from tiny_tokenizer import tiny_tokenizer
+
+from tokenmaxx.inference import Tree
+from tokenmaxx.inference.tree_search import (calibration_key, choose_tree, interpolate, machine_fingerprint,
+                                             ordered_paths_from_accuracy, ordered_paths_from_ranks)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_end_to_end_writes_documented_json(tmp_path):
+    model, tok = tiny_model("llama", seed=11), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": 1, "category": "qa", "turns": ["what is two plus two?"]},
+        {"question_id": 2, "category": "writing", "turns": ["write a line about the sea."]},
+    ]))
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench.py"), "--backbone", str(tmp_path / "tiny"), "--heads",
+         "untrained", "--dtype", "float32", "--threads", "1", "--max_new_tokens", "12", "--prompts", str(prompts),
+         "--methods", "baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:2", "--lookup_tokens", "2,4",
+         "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert set(report) == {"config", "machine", "methods"}
+    assert set(report["methods"]) == {"baseline", "prompt_lookup", "tokenmaxx", "tokenmaxx:chain:2"}
+    assert "skipped" in report["config"]["notes"]["assisted"]
+    keys = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}
+    for m in report["methods"].values():
+        assert set(m) == {"overall", "categories"}
+        assert set(m["overall"]) == keys
+        assert set(m["categories"]) == {"qa", "mt_bench"}
+        for c in m["categories"].values():
+            assert set(c) == keys
+    base = report["methods"]["baseline"]["overall"]
+    assert base["speedup"] == 1.0 and base["identical_rate"] == 1.0 and base["tau"] == 1.0
+    assert report["methods"]["tokenmaxx"]["overall"]["identical_rate"] == 1.0  # fp32: exact
+    assert out.with_suffix(".md").read_text().startswith("| method |")
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_optimizer_picks_known_optimum():
+    # paths with acceptance probabilities (most probable first); latency grows after 3 nodes
+    ordered = [((0,), 0.6), ((0, 0), 0.4), ((1,), 0.2), ((0, 0, 0), 0.05)]
+    flat = {1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0, 5: 2.2}
+    tree, table = choose_tree(ordered, flat, overhead=0.0)
+    # N=1: 1/1, N=2: 1.6/1, N=3: 2.0/1, N=4: 2.2/2, N=5: 2.25/2.2 -> N=3
+    assert tree == Tree([(0,), (0, 0)])
+    assert [round(r["tokens_per_s"], 3) for r in table] == [1.0, 1.6, 2.0, 1.1, round(2.25 / 2.2, 3)]
+    cheap = {1: 1.0, 64: 1.0}  # verification is free: take every path
+    assert choose_tree(ordered, cheap, overhead=0.0)[0].num_nodes == 5
+    dear = {1: 1.0, 2: 10.0}  # verification of 2+ tokens is dear: plain decoding wins
+    assert choose_tree(ordered, dear, overhead=0.0)[0].num_nodes == 1
+    assert choose_tree(ordered, cheap, overhead=0.0, max_depth=1)[0] == Tree([(0,), (1,)])
+
+
+def test_ordered_paths_from_ranks_are_joint_frequencies():
+    ranks = torch.tensor([[0, 0, 9], [0, 1, 0], [1, 0, 0], [9, 0, 0]])  # 9 = not in the top-k
+    ordered = dict(ordered_paths_from_ranks(ranks, max_rank=9))
+    assert ordered == {(0,): 0.5, (0, 0): 0.25, (0, 1): 0.25, (0, 1, 0): 0.25, (1,): 0.25, (1, 0): 0.25,
+                       (1, 0, 0): 0.25}
+
+
+def test_ordered_paths_from_accuracy_products():
+    ordered = ordered_paths_from_accuracy([[0.5, 0.2], [0.6, 0.1]], max_nodes=4)
+    assert [p for p, _ in ordered] == [(0,), (0, 0), (1,)]
+    assert [round(v, 3) for _, v in ordered] == [0.5, 0.3, 0.2]
+
+
+def test_interpolation():
+    lat = {1: 1.0, 8: 2.0, 16: 4.0}
+    assert interpolate(lat, 8) == 2.0
+    assert interpolate(lat, 12) == 3.0
+    assert interpolate(lat, 24) == 6.0  # extrapolated from the last segment
+
+
+def test_calibration_key_changes_with_machine():
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    machine = machine_fingerprint(model)
+    key = calibration_key(model, heads, machine)
+    assert key == calibration_key(model, heads, dict(machine))
+    assert key != calibration_key(model, heads, {**machine, "threads": machine["threads"] + 1})
+    assert key != calibration_key(model, heads, {**machine, "cpu": "another cpu"})
+    assert key != calibration_key(model, random_heads(model, seed=5), machine)
+
+
+def test_auto_tree_calibrates_once_and_caches(tmp_path, monkeypatch):
+    from tokenmaxx.inference import SpeculativeGenerator
+    from tokenmaxx.inference import tree_search
+
+    model, tok = tiny_model("qwen2", seed=12), tiny_tokenizer()
+    model.generation_config.eos_token_id = None
+    heads = random_heads(model)
+    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
+    monkeypatch.setattr(tree_search, "CALIBRATION_PROMPTS", ("count to ten.", "name a colour."))
+    tree = tree_search.auto_tree(model, heads, tok)
+    files = list((tmp_path / "calibration").glob("*.json"))
+    assert len(files) == 1
+    record = json.loads(files[0].read_text())
+    assert record["tree"] == [list(p) for p in tree.paths] and record["positions"] > 0
+    assert 1 in map(int, record["latency"])
+    monkeypatch.setattr(tree_search, "calibrate_ranks", lambda *a, **k: pytest.fail("calibrated twice"))
+    gen = SpeculativeGenerator(model, heads, tokenizer=tok, tree="auto")  # reads the cache
+    assert gen.tree == tree
+    ids = torch.tensor([[5, 6, 7]])
+    from conftest import greedy_reference
+    assert gen.generate(ids, 10).sequences.tolist() == greedy_reference(model, ids, 10).tolist()
