@@ -9,3 +9,7 @@ from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator  
 
 __all__ += ["Accepted", "Verified", "accept_greedy", "commit", "propose", "verify", "GenerationOutput",
             "GenerationStats", "SpeculativeGenerator"]
+
+from .sampling import TypicalAcceptance, accept_sampling, accept_typical  # noqa: E402
+
+__all__ += ["TypicalAcceptance", "accept_sampling", "accept_typical"]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone
 
 from .decoding import accept_greedy, commit, propose, verify
+from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
+    target_probs
 from .tree import Tree, parse_tree
 
 
@@ -78,8 +82,6 @@ class SpeculativeGenerator:
             self.tree = parse_tree(tree if tree is not None else heads.config.tree, heads.config.num_heads)
         if self.tree.depth > heads.config.num_heads:
             raise ValueError(f"tree depth {self.tree.depth} exceeds the number of heads ({heads.config.num_heads})")
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
 
     @classmethod
     def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
@@ -120,15 +122,53 @@ class SpeculativeGenerator:
         return ids
 
     # ---- the loop ---------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def generate(self, prompt, max_new_tokens: int = 128, streamer=None) -> GenerationOutput:
-        """Greedy speculative generation; the tokens equal ``model.generate(do_sample=False)``'s.
-
-        Stops at any EOS id of the backbone's generation config, at ``max_new_tokens``. A prompt plus
-        ``max_new_tokens`` beyond the backbone's context is refused up front.
-        """
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    def _resolve_config(self, generation_config, max_new_tokens, overrides) -> tuple[GenerationConfig, int]:
+        config = copy.deepcopy(generation_config if generation_config is not None else self.model.generation_config)
+        for name, value in overrides.items():
+            if value is not None:
+                setattr(config, name, value)
+        if max_new_tokens is None:
+            max_new_tokens = (generation_config.max_new_tokens if generation_config is not None
+                              and generation_config.max_new_tokens is not None else 128)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        return config, max_new_tokens
+
+    @torch.inference_mode()
+    def generate(self, prompt, max_new_tokens: int | None = None, streamer=None, *, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, seed: int | None = None, generator: torch.Generator | None = None,
+                 generation_config: GenerationConfig | None = None,
+                 typical: TypicalAcceptance | None = None) -> GenerationOutput:
+        """Speculative generation whose output is the backbone's own.
+
+        Greedy (default, or ``do_sample=False``, or temperature 0): tokens equal ``model.generate(do_sample=False)``.
+        Sampling (``do_sample=True`` with temperature / top_k / top_p / min_p, or a ``generation_config``): lossless
+        tree speculative sampling, distributed as ``model.generate(do_sample=True)`` (see ``sampling.py``); fixed
+        ``seed`` or ``generator`` -> deterministic. ``typical=TypicalAcceptance(...)`` switches to Medusa's typical
+        acceptance, which is faster but NOT distribution-preserving.
+
+        Stops at any EOS id of the generation config, or at ``max_new_tokens`` (default: the generation config's,
+        else 128). A prompt plus ``max_new_tokens`` beyond the backbone's context is refused up front.
+        """
+        config, max_new_tokens = self._resolve_config(
+            generation_config, max_new_tokens,
+            dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+        sampling = bool(config.do_sample) and config.temperature != 0
+        if sampling:
+            warpers = build_warpers(config)
+            rng = make_generator(seed, generator)
+            if typical is not None:
+                accept = functools.partial(accept_typical, warpers=warpers, generator=rng, rule=typical)
+            else:
+                accept = functools.partial(accept_sampling, warpers=warpers, generator=rng)
+        elif typical is not None:
+            raise ValueError("typical acceptance is a sampling rule: pass do_sample=True with a temperature > 0")
+        else:
+            accept = accept_greedy
+        eos = config.eos_token_id
+        eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+
         input_ids = self.encode(prompt)
         prompt_len = input_ids.shape[1]
         context = getattr(self.model.config, "max_position_embeddings", None)
@@ -143,7 +183,8 @@ class SpeculativeGenerator:
         start = time.perf_counter()
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        root = int(out.logits[0, -1].argmax())
+        last = out.logits[0, -1]  # [V]
+        root = sample(target_probs(last, warpers), rng) if sampling else int(last.argmax())
         hidden = out.hidden_states[-1][0, -1]  # [H]
         prefix_len = prompt_len
         new_tokens = [root]
@@ -152,7 +193,8 @@ class SpeculativeGenerator:
             streamer.put(torch.tensor([root]))
 
         start = time.perf_counter()
-        while root not in self.eos_ids and len(new_tokens) < max_new_tokens:
+        phases = stats.phase_seconds
+        while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
             t0 = time.perf_counter()
             buffers = self.tree.truncate(max_new_tokens - len(new_tokens) - 1).buffers
@@ -160,22 +202,20 @@ class SpeculativeGenerator:
             t1 = time.perf_counter()
             verified = verify(self.model, cache, tokens, buffers, prefix_len)
             t2 = time.perf_counter()
-            accepted = accept_greedy(tokens, verified.logits, buffers)
+            accepted = accept(tokens, verified.logits, buffers)
             t3 = time.perf_counter()
             prefix_len = commit(cache, prefix_len, accepted.nodes)
             hidden = verified.hidden[accepted.nodes[-1]]  # [H]
             t4 = time.perf_counter()
-            phases = stats.phase_seconds
             phases["propose"] += t1 - t0
             phases["verify"] += t2 - t1
             phases["accept"] += t3 - t2
             phases["commit"] += t4 - t3
-            emitted = accepted.tokens
-            for i, tok in enumerate(emitted):
-                if tok in self.eos_ids:
-                    emitted = emitted[: i + 1]
-                    break
-            emitted = emitted[: max_new_tokens - len(new_tokens)]
+
+            emitted = accepted.tokens[: max_new_tokens - len(new_tokens)]
+            stop = next((i for i, tok in enumerate(emitted) if tok in eos_ids), None)
+            if stop is not None:
+                emitted = emitted[: stop + 1]
             stats.steps += 1
             stats.accepted_hist[len(accepted.tokens)] = stats.accepted_hist.get(len(accepted.tokens), 0) + 1
             new_tokens.extend(emitted)

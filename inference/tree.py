@@ -25,6 +25,7 @@ class TreeBuffers:
     token_index: torch.Tensor  # [N] long: index into cat([root], head_topk[:D].flatten()) for each node's token
     retrieve: torch.Tensor  # [P, D+1] long: node indices along each root-to-leaf path, padded with -1
     topk: int  # candidates taken from each head (max rank + 1)
+    children: tuple[tuple[int, ...], ...]  # per node: its children's node indices, best rank first
 
     @property
     def num_nodes(self) -> int:
@@ -107,8 +108,11 @@ class Tree:
         for row, leaf in enumerate(leaves):
             for d in range(1, len(leaf) + 1):
                 retrieve[row, d] = index[leaf[:d]]
+        children = [[] for _ in range(n)]
+        for path, i in index.items():  # paths are sorted, so siblings arrive best rank first
+            children[index.get(path[:-1], 0)].append(i)
         return TreeBuffers(depths=depths, parents=parents, attn_mask=attn_mask, token_index=token_index,
-                           retrieve=retrieve, topk=max(topk, 1))
+                           retrieve=retrieve, topk=max(topk, 1), children=tuple(map(tuple, children)))
 
 
 @lru_cache(maxsize=64)

@@ -22,6 +22,7 @@ def test_three_node_tree_buffers_by_hand():
     # cat([root], top2(head1), top2(head2)): (0,) -> 1, (1,) -> 2, (0, 0) -> 1 + 2 + 0 = 3
     assert b.token_index.tolist() == [0, 1, 2, 3]
     assert b.retrieve.tolist() == [[0, 2, -1], [0, 1, 3]]  # leaves (1,) and (0, 0)
+    assert b.children == ((1, 2), (3,), (), ())
 
 
 def test_chain_buffers():
