@@ -16,7 +16,7 @@ import torch
 from transformers import HfArgumentParser, TextStreamer
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_heads_path, load_backbone
-from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.inference import SpeculativeGenerator, TypicalAcceptance
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint. Use simple words."
 
@@ -36,6 +36,14 @@ class GenerateArgs:
     tree: str | None = field(default=None, metadata={
         "help": "draft tree: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list of paths or a JSON "
                 "file; default: the heads' own"})
+    do_sample: bool = field(default=False, metadata={
+        "help": "sample (lossless speculative sampling: the backbone's own distribution) instead of greedy"})
+    temperature: float | None = field(default=None, metadata={"help": "sampling temperature (0: greedy)"})
+    top_k: int | None = field(default=None, metadata={"help": "sampling top-k"})
+    top_p: float | None = field(default=None, metadata={"help": "sampling nucleus mass"})
+    seed: int | None = field(default=None, metadata={"help": "sampling seed (deterministic output)"})
+    typical: bool = field(default=False, metadata={
+        "help": "Medusa typical acceptance instead of the lossless rule: faster, NOT the backbone's distribution"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (text, token ids, stats)"})
     stream: bool = field(default=False, metadata={"help": "stream the text as it is generated"})
     compare: bool = field(default=False, metadata={
@@ -76,9 +84,11 @@ def main(argv=None) -> int:
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)
 
+    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    seed=args.seed, typical=TypicalAcceptance() if args.typical else None)
     if not args.compare:
         streamer = TextStreamer(tokenizer, skip_prompt=True) if args.stream and not args.json else None
-        out = gen.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+        out = gen.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **sampling)
         if args.json:
             print(json.dumps({"text": out.text, "new_tokens": out.new_tokens, "stats": out.stats.to_dict()}))
         else:
@@ -89,6 +99,8 @@ def main(argv=None) -> int:
                   f"over {s.steps} steps, tree {len(gen.tree)} nodes]", file=sys.stderr)
         return 0
 
+    if args.do_sample:
+        raise SystemExit("--compare checks token identity with greedy generate: use it without --do_sample")
     # Warm up both paths, then interleave: spec, plain, spec, plain... keeping each one's best time.
     gen.generate(input_ids, max_new_tokens=8)
     plain_generate(model, input_ids, 8)
