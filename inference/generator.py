@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone
+from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_heads_path, load_backbone
 
 from .decoding import accept_greedy, commit, propose, verify
+from .lookup import DRAFT_MODES, HEADS, LOOKUP, LookupConfig, NgramIndex, merge_branch
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
-from .tree import Tree, parse_tree
+from .tree import Tree, chain, parse_tree
 
 
 @dataclass
@@ -27,6 +28,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     phase_seconds: dict[str, float] = field(  # decode time split by step: propose, verify, accept, commit
         default_factory=lambda: dict.fromkeys(("propose", "verify", "accept", "commit"), 0.0))
+    accepted_by_source: dict[str, int] = field(  # accepted candidates by who drafted them (bonus tokens excluded)
+        default_factory=lambda: dict.fromkeys(("heads", "lookup", "both"), 0))
 
     @property
     def mean_tau(self) -> float:
@@ -46,7 +49,8 @@ class GenerationStats:
         return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_tau": round(self.mean_tau, 4),
                 "accepted_hist": dict(sorted(self.accepted_hist.items())), "prefill_seconds": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds, "wall_seconds": self.wall_seconds,
-                "tokens_per_s": self.tokens_per_s, "phase_seconds": self.phase_seconds}
+                "tokens_per_s": self.tokens_per_s, "phase_seconds": self.phase_seconds,
+                "accepted_by_source": self.accepted_by_source}
 
 
 @dataclass
@@ -66,9 +70,17 @@ class SpeculativeGenerator:
     heads' own tree (``heads.config.tree``, else the default).
     """
 
-    def __init__(self, model, heads: DraftHeads, tokenizer=None, tree: Tree | str | list | None = None,
-                 strict_identity: bool = True):
+    def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree: Tree | str | list | None = None,
+                 strict_identity: bool = True, draft: str = "heads", lookup: LookupConfig | None = None):
+        if draft not in DRAFT_MODES:
+            raise ValueError(f"unknown draft mode {draft!r}: expected one of {DRAFT_MODES}")
+        if heads is None:
+            if draft != "lookup":
+                raise ValueError(f"draft={draft!r} needs heads; only draft='lookup' runs without them")
+            heads = MedusaHeads.for_backbone(model, num_heads=1)  # never called: lookup drafts only
         heads.check_backbone(model, strict_identity=strict_identity)
+        self.draft = draft
+        self.lookup = lookup or LookupConfig()
         self.model = model
         self.heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
         self.tokenizer = tokenizer
@@ -82,6 +94,8 @@ class SpeculativeGenerator:
             self.tree = parse_tree(tree if tree is not None else heads.config.tree, heads.config.num_heads)
         if self.tree.depth > heads.config.num_heads:
             raise ValueError(f"tree depth {self.tree.depth} exceeds the number of heads ({heads.config.num_heads})")
+        if draft == "lookup":
+            self.tree = chain(0)
 
     @classmethod
     def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
@@ -194,11 +208,22 @@ class SpeculativeGenerator:
 
         start = time.perf_counter()
         phases = stats.phase_seconds
+        use_lookup = self.draft in ("lookup", "hybrid")
+        if use_lookup:
+            index = NgramIndex(self.lookup.max_ngram)
+            index.extend(input_ids[0].tolist() + [root])
+            lookup_len = self.lookup.start_len
         while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
             t0 = time.perf_counter()
-            buffers = self.tree.truncate(max_new_tokens - len(new_tokens) - 1).buffers
+            room = max_new_tokens - len(new_tokens) - 1
+            buffers = self.tree.truncate(room).buffers
             tokens = propose(self.heads, lm_head, hidden, root, buffers)  # [N]
+            sources = None
+            if use_lookup:
+                branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
+                if branch:
+                    tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
             t1 = time.perf_counter()
             verified = verify(self.model, cache, tokens, buffers, prefix_len)
             t2 = time.perf_counter()
@@ -218,6 +243,18 @@ class SpeculativeGenerator:
                 emitted = emitted[: stop + 1]
             stats.steps += 1
             stats.accepted_hist[len(accepted.tokens)] = stats.accepted_hist.get(len(accepted.tokens), 0) + 1
+            path = accepted.nodes[1:].tolist()
+            if sources is None:
+                stats.accepted_by_source["lookup" if self.draft == "lookup" else "heads"] += len(path)
+            else:
+                for node in path:
+                    src = int(sources[node])
+                    stats.accepted_by_source["both" if src == HEADS | LOOKUP else
+                                             "lookup" if src == LOOKUP else "heads"] += 1
+                from_lookup = sum(1 for node in path if int(sources[node]) & LOOKUP)
+                lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)
+            if use_lookup:
+                index.extend(emitted)
             new_tokens.extend(emitted)
             root = emitted[-1]
             if streamer is not None:

@@ -89,30 +89,38 @@ class Tree:
     @cached_property
     def buffers(self) -> TreeBuffers:
         index = {p: i + 1 for i, p in enumerate(self.paths)}
-        n = self.num_nodes
         topk = max((r for p in self.paths for r in p), default=-1) + 1
-        depths = torch.zeros(n, dtype=torch.long)
-        parents = torch.zeros(n, dtype=torch.long)
-        token_index = torch.zeros(n, dtype=torch.long)
-        attn_mask = torch.eye(n, dtype=torch.bool)
-        attn_mask[:, 0] = True
-        for path, i in index.items():
-            depths[i] = len(path)
-            parents[i] = index.get(path[:-1], 0)
-            token_index[i] = 1 + (len(path) - 1) * topk + path[-1]
-            for d in range(1, len(path)):
-                attn_mask[i, index[path[:d]]] = True
-        leaves = [p for p in self.paths if not any(q[:len(p)] == p and len(q) > len(p) for q in self.paths)]
-        retrieve = torch.full((max(len(leaves), 1), self.depth + 1), -1, dtype=torch.long)
-        retrieve[:, 0] = 0
-        for row, leaf in enumerate(leaves):
-            for d in range(1, len(leaf) + 1):
-                retrieve[row, d] = index[leaf[:d]]
-        children = [[] for _ in range(n)]
-        for path, i in index.items():  # paths are sorted, so siblings arrive best rank first
-            children[index.get(path[:-1], 0)].append(i)
-        return TreeBuffers(depths=depths, parents=parents, attn_mask=attn_mask, token_index=token_index,
-                           retrieve=retrieve, topk=max(topk, 1), children=tuple(map(tuple, children)))
+        parents = [0] + [index.get(p[:-1], 0) for p in self.paths]
+        token_index = [0] + [1 + (len(p) - 1) * topk + p[-1] for p in self.paths]
+        return compile_buffers(parents, token_index=token_index, topk=max(topk, 1))
+
+
+def compile_buffers(parents: Sequence[int], token_index: Sequence[int] | None = None, topk: int = 1) -> TreeBuffers:
+    """Buffers of a tree given each node's parent (node 0 is the root; a parent always precedes its children).
+
+    Siblings keep their order here (for static trees: best rank first).
+    """
+    n = len(parents)
+    depths = [0] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    attn_mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        parent = parents[i]
+        if not 0 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}: parents must precede their children")
+        depths[i] = depths[parent] + 1
+        children[parent].append(i)
+        attn_mask[i] |= attn_mask[parent]
+    leaves = [i for i in range(n) if not children[i] and i > 0] or [0]
+    retrieve = torch.full((len(leaves), max(depths) + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        node = leaf
+        for d in range(depths[leaf], -1, -1):
+            retrieve[row, d] = node
+            node = parents[node]
+    return TreeBuffers(depths=torch.tensor(depths), parents=torch.tensor(list(parents)), attn_mask=attn_mask,
+                       token_index=torch.tensor(list(token_index) if token_index is not None else range(n)),
+                       retrieve=retrieve, topk=topk, children=tuple(map(tuple, children)))
 
 
 @lru_cache(maxsize=64)

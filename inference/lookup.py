@@ -1,0 +1,105 @@
+"""Prompt-lookup drafts: n-gram continuations from the prompt and the text so far, as extra tree branches.
+
+A lookup branch is a deterministic draft (like a head's top-k guess), so greedy acceptance and lossless sampling treat
+it exactly like any other node. Branches are merged into the heads' tree token by token: where a branch starts with a
+token the heads already proposed at that place, the node is shared (deduplicated) and the branch continues below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .tree import TreeBuffers, compile_buffers
+
+HEADS, LOOKUP = 1, 2  # node source bits
+DRAFT_MODES = ("heads", "lookup", "hybrid")
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """Lookup branch settings. The branch length adapts per generation: +2 after a fully accepted branch, -1 after a
+    partly rejected one, within [min_len, max_len] (the rule transformers uses for its assistant's draft length)."""
+
+    max_ngram: int = field(default=3, metadata={"help": "longest suffix n-gram matched"})
+    min_ngram: int = field(default=2, metadata={"help": "shortest suffix n-gram matched (1 matches too eagerly)"})
+    start_len: int = field(default=8, metadata={"help": "branch length at the start of a generation"})
+    min_len: int = field(default=2, metadata={"help": "shortest branch"})
+    max_len: int = field(default=16, metadata={"help": "longest branch"})
+
+    def __post_init__(self):
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if not 1 <= self.min_len <= self.start_len <= self.max_len:
+            raise ValueError(f"need 1 <= min_len <= start_len <= max_len, got {self.min_len}, {self.start_len}, "
+                             f"{self.max_len}")
+
+    def next_len(self, length: int, proposed: int, accepted: int) -> int:
+        grown = length + 2 if proposed and accepted >= proposed else length - 1
+        return max(self.min_len, min(self.max_len, grown))
+
+
+@dataclass
+class NgramIndex:
+    """Most recent occurrence of every n-gram (n = 1..max_ngram) of a growing token sequence."""
+
+    max_ngram: int = 3
+    tokens: list[int] = field(default_factory=list)
+    _last: list[dict[tuple[int, ...], int]] = field(default_factory=list)  # [n-1]: n-gram -> end position (exclusive)
+    _indexed: int = 0  # n-grams ending before this position are in the index
+
+    def __post_init__(self):
+        if self.max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {self.max_ngram}")
+        self._last = [{} for _ in range(self.max_ngram)]
+
+    def extend(self, new_tokens) -> None:
+        self.tokens.extend(int(t) for t in new_tokens)
+
+    def _catch_up(self) -> None:
+        # index every n-gram that ends before the last token (the suffix being matched must not match itself)
+        for end in range(self._indexed + 1, len(self.tokens)):
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self._last[n - 1][tuple(self.tokens[end - n:end])] = end
+        self._indexed = max(self._indexed, len(self.tokens) - 1)
+
+    def continuation(self, max_len: int, min_ngram: int = 1) -> list[int]:
+        """Tokens that followed the most recent earlier occurrence of the longest matching suffix (may be [])."""
+        if max_len <= 0 or not self.tokens:
+            return []
+        self._catch_up()
+        for n in range(min(self.max_ngram, len(self.tokens)), min_ngram - 1, -1):
+            end = self._last[n - 1].get(tuple(self.tokens[-n:]))
+            if end is not None:
+                return self.tokens[end:end + max_len]
+        return []
+
+
+def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) -> tuple[torch.Tensor, TreeBuffers,
+                                                                                            torch.Tensor]:
+    """Add a draft branch below the root of a tree, sharing nodes where the tokens coincide.
+
+    tokens: [N] tree tokens (node 0 = root). Returns (tokens [N'], buffers, sources [N'] of HEADS/LOOKUP bits).
+    """
+    parents = buffers.parents.tolist()
+    toks = tokens.tolist()
+    sources = [HEADS] * len(toks)
+    child_of = {(parents[i], toks[i]): i for i in range(1, len(toks))}
+    node = 0
+    for tok in branch:
+        nxt = child_of.get((node, tok))
+        if nxt is None:
+            nxt = len(toks)
+            toks.append(tok)
+            parents.append(node)
+            sources.append(LOOKUP)
+            child_of[(node, tok)] = nxt
+        else:
+            sources[nxt] |= LOOKUP
+        node = nxt
+    if len(toks) == tokens.numel():  # the branch was already in the tree
+        out_buffers = buffers
+    else:
+        out_buffers = compile_buffers(parents)
+    return torch.tensor(toks), out_buffers, torch.tensor(sources)
