@@ -34,6 +34,7 @@ class Run:
     tokens: list[int]
     seconds: float
     forwards: int
+    sources: dict[str, int] | None = None  # tokenmaxx: accepted candidates per draft source
 
 
 @dataclass
@@ -84,20 +85,21 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def hf_method(model, **generate_kwargs) -> Callable[[torch.Tensor, int], list[int]]:
+def hf_method(model, **generate_kwargs) -> Callable[[torch.Tensor, int], tuple[list[int], None]]:
     """A method that calls model.generate greedily with extra kwargs (prompt lookup, assistant model)."""
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                              do_sample=False, **generate_kwargs)
-        return out[0, input_ids.shape[1]:].tolist()
+        return out[0, input_ids.shape[1]:].tolist(), None
 
     return run
 
 
-def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], list[int]]:
+def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int], dict]]:
     def run(input_ids, max_new_tokens):
-        return generator.generate(input_ids, max_new_tokens=max_new_tokens).new_tokens
+        out = generator.generate(input_ids, max_new_tokens=max_new_tokens)
+        return out.new_tokens, dict(out.stats.accepted_by_source)
 
     return run
 
@@ -121,9 +123,9 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
             for name in order:
                 with ForwardCounter(model) as counter:
                     start = time.perf_counter()
-                    tokens = methods[name](prompt.input_ids, max_new_tokens)
+                    tokens, sources = methods[name](prompt.input_ids, max_new_tokens)
                     seconds = time.perf_counter() - start
-                results[name].runs[i] = Run(tokens, seconds, counter.count)
+                results[name].runs[i] = Run(tokens, seconds, counter.count, sources)
     return results
 
 
@@ -132,11 +134,16 @@ def _summary(runs: list[Run], base: list[Run]) -> dict:
     seconds = sum(r.seconds for r in runs)
     base_tps = sum(len(r.tokens) for r in base) / sum(r.seconds for r in base)
     tps = tokens / seconds if seconds else 0.0
-    return {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tps, 3),
-            "speedup": round(tps / base_tps, 4) if base_tps else None,
-            "tau": round(tokens / max(sum(r.forwards for r in runs), 1), 4),
-            "identical_rate": round(sum(r.tokens == b.tokens for r, b in zip(runs, base)) / len(runs), 4),
-            "prompts": len(runs)}
+    out = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tps, 3),
+           "speedup": round(tps / base_tps, 4) if base_tps else None,
+           "tau": round(tokens / max(sum(r.forwards for r in runs), 1), 4),
+           "identical_rate": round(sum(r.tokens == b.tokens for r, b in zip(runs, base)) / len(runs), 4),
+           "prompts": len(runs)}
+    if runs and runs[0].sources is not None:  # extra key: share of accepted candidates per draft source
+        totals = {k: sum(r.sources[k] for r in runs) for k in runs[0].sources}
+        accepted = sum(totals.values())
+        out["accepted_share"] = {k: round(v / accepted, 4) if accepted else 0.0 for k, v in totals.items()}
+    return out
 
 
 def summarize(results: dict[str, MethodResult], prompts: list[Prompt]) -> dict:

@@ -34,14 +34,16 @@ class BenchArgs:
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
     methods: str = field(default="baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:4", metadata={
-        "help": "comma list of: baseline, prompt_lookup, assisted, tokenmaxx, tokenmaxx:<tree> "
-                "(tree = default | chain:K | auto | JSON file)"})
+        "help": "comma list of: baseline, prompt_lookup, assisted, tokenmaxx[:<tree>] (drafted as --draft says), "
+                "hybrid[:<tree>] (heads + lookup branches), lookup (our loop, lookup branches only); "
+                "tree = default | chain:K | auto | JSON file"})
+    draft: str = field(default="heads", metadata={"help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
     prompts: str = field(default=str(DEFAULT_PROMPTS), metadata={
         "help": "Spec-Bench-style jsonl (question_id, category, turns)"})
     limit: int | None = field(default=None, metadata={"help": "at most this many prompts per category"})
     lookup_tokens: str = field(default="3,10", metadata={
         "help": "prompt_lookup_num_tokens settings to try; the best overall is reported as prompt_lookup"})
-    draft: str | None = field(default=None, metadata={
+    draft_model: str | None = field(default=None, metadata={
         "help": "draft model for 'assisted' (alias/folder); default: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b"})
     warmup: int = field(default=2, metadata={"help": "prompts run (short) by every method before timing"})
     out: str = field(default="runs/bench", metadata={"help": "output path prefix (.json, .md, .png)"})
@@ -64,9 +66,9 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
             for k in [int(x) for x in args.lookup_tokens.split(",")]:
                 methods[f"prompt_lookup:{k}"] = hf_method(model, prompt_lookup_num_tokens=k)
         elif name == "assisted":
-            draft = args.draft or ("qwen2.5-coder-0.5b" if args.backbone == "qwen2.5-coder-1.5b" else None)
+            draft = args.draft_model or ("qwen2.5-coder-0.5b" if args.backbone == "qwen2.5-coder-1.5b" else None)
             if draft is None:
-                notes["assisted"] = f"skipped: no draft model known for {args.backbone} (pass --draft)"
+                notes["assisted"] = f"skipped: no draft model known for {args.backbone} (pass --draft_model)"
                 continue
             try:
                 draft_model, _ = load_backbone(draft, dtype=args.dtype)
@@ -74,16 +76,18 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                 notes["assisted"] = f"skipped: draft model {draft} is not installed ({err})"
                 continue
             methods["assisted"] = hf_method(model, assistant_model=draft_model)
-        elif name == "tokenmaxx" or name.startswith("tokenmaxx:"):
-            if heads is None:
+        elif name.split(":")[0] in ("tokenmaxx", "hybrid", "lookup"):
+            kind = name.split(":")[0]
+            draft = {"tokenmaxx": args.draft, "hybrid": "hybrid", "lookup": "lookup"}[kind]
+            if heads is None and draft != "lookup":
                 heads = load_heads(args, model)
-            gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer,
-                                       tree=name.split(":", 1)[1] if ":" in name else None)
+            gen = SpeculativeGenerator(model, heads if draft != "lookup" else None, tokenizer=tokenizer,
+                                       tree=name.split(":", 1)[1] if ":" in name else None, draft=draft)
             notes[f"{name} tree"] = [list(p) for p in gen.tree.paths]
             methods[name] = tokenmaxx_method(gen)
         else:
-            raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, tokenmaxx, "
-                             "tokenmaxx:<tree>")
+            raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, "
+                             "tokenmaxx[:<tree>], hybrid[:<tree>], lookup")
     return methods, notes
 
 

@@ -36,6 +36,8 @@ class GenerateArgs:
     tree: str | None = field(default=None, metadata={
         "help": "draft tree: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list of paths or a JSON "
                 "file; default: the heads' own"})
+    draft: str = field(default="heads", metadata={
+        "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree)"})
     do_sample: bool = field(default=False, metadata={
         "help": "sample (lossless speculative sampling: the backbone's own distribution) instead of greedy"})
     temperature: float | None = field(default=None, metadata={"help": "sampling temperature (0: greedy)"})
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     (args,) = HfArgumentParser(GenerateArgs).parse_args_into_dataclasses(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter)
-    gen = SpeculativeGenerator(model, load_heads(args, model), tokenizer=tokenizer, tree=args.tree)
+    gen = SpeculativeGenerator(model, load_heads(args, model), tokenizer=tokenizer, tree=args.tree, draft=args.draft)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)
 
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
         "backbone": args.backbone, "dtype": args.dtype, "threads": args.threads, "tree_nodes": len(gen.tree),
         "prompt_tokens": input_ids.shape[1], "identical": identical,
         "speculative": {"tokens": s.new_tokens, "seconds": best_spec, "tokens_per_s": s.new_tokens / best_spec,
-                        "mean_tau": s.mean_tau, "steps": s.steps, "seconds_per_step": step_overhead},
+                        "mean_tau": s.mean_tau, "steps": s.steps, "seconds_per_step": step_overhead,
+                        "accepted_by_source": s.accepted_by_source},
         "plain": {"tokens": len(plain_new), "seconds": best_plain, "tokens_per_s": len(plain_new) / best_plain,
                   "seconds_per_token": best_plain / max(len(plain_new), 1)},
         "speedup": (s.new_tokens / best_spec) / (len(plain_new) / best_plain),
