@@ -118,10 +118,27 @@ class DraftHeads(nn.Module):
                 if os.path.exists(tmp):
                     os.remove(tmp)
 
+    def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = False, revision: str | None = None,
+                    commit_message: str | None = None, **kwargs):
+        """Upload config.json, model.safetensors and a generated README.md model card in one commit.
+
+        Creates the repo (and the branch ``revision``) if needed. The token is ``token``, else HF_TOKEN or the saved
+        login; it is never printed. ``kwargs``: ``bench`` (bench JSON for the card), ``license``, ``endpoint``. See
+        ``tokenmaxx.heads.hub.push_to_hub``; returns huggingface_hub's CommitInfo.
+        """
+        from .hub import push_to_hub
+
+        return push_to_hub(self, repo_id, token=token, private=private, revision=revision,
+                           commit_message=commit_message, **kwargs)
+
     @staticmethod
     def from_pretrained(path_or_repo: str | os.PathLike, revision: str | None = None,
                         dtype: torch.dtype | None = None, **hub_kwargs) -> "DraftHeads":
-        """Load heads saved by ``save_pretrained`` (a local folder, or a Hub repo id), strictly."""
+        """Load heads saved by ``save_pretrained`` (a local folder, or a Hub repo id), strictly.
+
+        For a Hub repo id, ``hub_kwargs`` go to ``huggingface_hub.snapshot_download`` (endpoint, cache_dir, token,
+        local_files_only). Whether the heads fit a backbone is checked when they are attached to one (``check_backbone``).
+        """
         folder = Path(path_or_repo)
         if not folder.is_dir():
             folder = _download(str(path_or_repo), revision, **hub_kwargs)
@@ -152,14 +169,7 @@ class DraftHeads(nn.Module):
 
 
 def _download(repo_id: str, revision: str | None, **hub_kwargs) -> Path:
-    """Fetch a heads repo from the Hub (honours HF_HUB_OFFLINE and the local cache)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
+    """Fetch a heads repo from the Hub (honours HF_HUB_OFFLINE and the local cache); see ``hub.download_heads``."""
+    from .hub import download_heads
 
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise FileNotFoundError(f"heads {repo_id!r}: no such local folder, and not a valid Hub repo id ({err})") from None
-    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"],
-                                  **hub_kwargs))
+    return download_heads(repo_id, revision, **hub_kwargs)

