@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, BACKBONES, DraftHeads, MedusaHeads, default_heads_path, load_backbone
+from tokenmaxx.heads import BACKBONES, DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, run_benchmark,
                                            summarize, tokenmaxx_method)
@@ -80,7 +80,7 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
             kind = name.split(":")[0]
             draft = {"tokenmaxx": args.draft, "hybrid": "hybrid", "lookup": "lookup"}[kind]
             if heads is None and draft != "lookup":
-                heads = load_heads(args, model)
+                heads = resolve_heads(args.heads, model, args.backbone)
             gen = SpeculativeGenerator(model, heads if draft != "lookup" else None, tokenizer=tokenizer,
                                        tree=name.split(":", 1)[1] if ":" in name else None, draft=draft)
             notes[f"{name} tree"] = [list(p) for p in gen.tree.paths]
@@ -89,15 +89,6 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
             raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, "
                              "tokenmaxx[:<tree>], hybrid[:<tree>], lookup")
     return methods, notes
-
-
-def load_heads(args: BenchArgs, model) -> DraftHeads:
-    if args.heads == "untrained":
-        return MedusaHeads.for_backbone(model)
-    path = args.heads or default_heads_path(args.backbone)
-    if path is None:
-        raise SystemExit(f"no heads shipped for {args.backbone!r}; pass --heads PATH or --heads untrained")
-    return DraftHeads.from_pretrained(path)
 
 
 def main(argv=None) -> int:

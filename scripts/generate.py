@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser, TextStreamer
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_heads_path, load_backbone
+from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.inference import SpeculativeGenerator, TypicalAcceptance
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint. Use simple words."
@@ -59,17 +59,6 @@ class GenerateArgs:
             raise ValueError("--threads and --repeats must be positive")
 
 
-def load_heads(args: GenerateArgs, model) -> DraftHeads:
-    if args.heads == "untrained":
-        return MedusaHeads.for_backbone(model)
-    path = args.heads or default_heads_path(args.backbone)
-    if path is None:
-        print(f"note: no trained heads are shipped for {args.backbone!r}; using untrained heads (expect no speedup). "
-              "Pass --heads PATH_OR_REPO.", file=sys.stderr)
-        return MedusaHeads.for_backbone(model)
-    return DraftHeads.from_pretrained(path)
-
-
 def plain_generate(model, input_ids, max_new_tokens):
     start = time.perf_counter()
     with torch.inference_mode():
@@ -82,7 +71,8 @@ def main(argv=None) -> int:
     (args,) = HfArgumentParser(GenerateArgs).parse_args_into_dataclasses(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter)
-    gen = SpeculativeGenerator(model, load_heads(args, model), tokenizer=tokenizer, tree=args.tree, draft=args.draft)
+    heads = resolve_heads(args.heads, model, args.backbone, fallback_untrained=True)
+    gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)
 
