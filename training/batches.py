@@ -1,0 +1,171 @@
+"""Self-distilled data -> examples -> deterministic per-rank micro-batches.
+
+The dataset (``datasets.save_to_disk``) has columns ``prompt_ids`` and ``answer_ids`` (the backbone's own answer) and a
+``provenance.json`` inside or beside its folder. An example is ``prompt_ids + answer_ids`` cut to ``seq_len``.
+
+Only a *window* of each sequence is fed to the heads: head k at t trains when t+k+1 lies in the answer, so positions
+before ``prompt_len - 1 - K`` never matter (``window_start``); the KL teacher positions t+k >= prompt_len - 1 lie inside
+the window too. The data order is a pure function of (seed, epoch, step): a resumed run sees exactly the batches an
+uninterrupted run would, with no iterator state to save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+PROVENANCE = "provenance.json"
+EVAL_SPLITS = ("validation", "test")
+
+
+@dataclass(frozen=True)
+class Example:
+    row: int  # row of the dataset (train rows first, then held-out rows of a DatasetDict): the feature cache's key
+    ids: torch.Tensor  # [T] prompt + answer tokens, cut to seq_len
+    prompt_len: int
+
+
+@dataclass
+class SelfDistilledData:
+    examples: dict[int, Example]  # usable examples by row
+    train: list[int]  # rows
+    eval: list[int]  # rows
+    provenance: dict
+    fingerprint: str  # sha256 of the token columns: the identity of the data a run or a feature cache was made from
+    num_rows: int
+    dropped: int  # rows whose prompt leaves no answer token inside seq_len
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, W] window tokens, right-padded with 0
+    answer_start: torch.Tensor  # [B] first answer position inside the window
+    lengths: torch.Tensor  # [B] window lengths
+    rows: list[int]  # dataset rows
+    starts: list[int]  # window start of each row inside its full sequence
+
+    @property
+    def positions(self) -> int:
+        return int(self.lengths.sum())
+
+
+def window_start(prompt_len: int, num_heads: int) -> int:
+    """First position any head or KL teacher reads: head K at t targets t+K+1 >= prompt_len."""
+    return max(0, prompt_len - 1 - num_heads)
+
+
+def read_provenance(data_dir: Path) -> dict:
+    for path in (data_dir / PROVENANCE, data_dir.parent / PROVENANCE):
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"data provenance {path} is not valid JSON ({err})") from None
+    log.warning("no %s in or beside %s: the exported heads will not record where their data came from",
+                PROVENANCE, data_dir)
+    return {}
+
+
+def _rows(dataset) -> Iterator[tuple[list[int], list[int]]]:
+    missing = {"prompt_ids", "answer_ids"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"self-distilled data lacks columns {sorted(missing)}; it has {dataset.column_names} "
+                         "(expected prompt, prompt_ids, answer_ids)")
+    for chunk in dataset.select_columns(["prompt_ids", "answer_ids"]).iter(batch_size=1024):
+        yield from zip(chunk["prompt_ids"], chunk["answer_ids"])
+
+
+def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_examples: int,
+              seed: int) -> SelfDistilledData:
+    """Read the dataset, cut sequences to ``seq_len``, split train / held-out (seeded unless the data has a split)."""
+    from datasets import Dataset, DatasetDict, load_from_disk
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--data {path} is not a folder written by datasets.save_to_disk")
+    loaded = load_from_disk(str(path))
+    if isinstance(loaded, DatasetDict):
+        held = next((s for s in EVAL_SPLITS if s in loaded), None)
+        if "train" not in loaded:
+            raise ValueError(f"dataset {path} has splits {list(loaded)}; expected a 'train' split")
+        parts: list[tuple[Dataset, bool]] = [(loaded["train"], False)] + ([(loaded[held], True)] if held else [])
+    else:
+        parts = [(loaded, False)]
+    examples, is_eval, digest, row, dropped = {}, {}, hashlib.sha256(), 0, 0
+    for dataset, held_out in parts:
+        for prompt_ids, answer_ids in _rows(dataset):
+            tokens = np.asarray(list(prompt_ids) + list(answer_ids), dtype=np.int64)
+            digest.update(np.asarray([len(prompt_ids), len(answer_ids)], dtype=np.int64).tobytes() + tokens.tobytes())
+            if len(prompt_ids) < seq_len and len(answer_ids) > 0:
+                examples[row] = Example(row, torch.from_numpy(tokens[:seq_len]), len(prompt_ids))
+                is_eval[row] = held_out
+            else:
+                dropped += 1
+            row += 1
+    if not examples:
+        raise ValueError(f"no usable example in {path}: every prompt is at least seq_len={seq_len} tokens long "
+                         "or has an empty answer")
+    if dropped:
+        log.warning("dropped %d of %d rows whose prompt leaves no answer token inside seq_len=%d",
+                    dropped, row, seq_len)
+    rows = sorted(examples)
+    if any(is_eval.values()):
+        train = [r for r in rows if not is_eval[r]]
+        held = [r for r in rows if is_eval[r]][:eval_max_examples]
+    else:
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        n_eval = min(max(1, round(eval_fraction * len(rows))), eval_max_examples, len(rows) - 1)
+        held = sorted(rows[i] for i in order[:n_eval])
+        train = sorted(rows[i] for i in order[n_eval:])
+    if not train:
+        raise ValueError(f"dataset {path} leaves no training examples after the held-out split")
+    return SelfDistilledData(examples=examples, train=train, eval=held, provenance=read_provenance(path),
+                             fingerprint=digest.hexdigest(), num_rows=row, dropped=dropped)
+
+
+# ---- order ------------------------------------------------------------------------------------------------------
+def epoch_micro_batches(rows: list[int], epoch: int, seed: int, rank: int, world: int,
+                        micro_batch_size: int) -> list[list[int]]:
+    """This rank's micro-batches of one epoch: a seeded permutation shared by all ranks, dealt round-robin."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(rows), generator=gen).tolist()
+    per_rank = len(perm) // world
+    mine = [rows[i] for i in perm[: per_rank * world][rank::world]]
+    return [mine[i: i + micro_batch_size] for i in range(0, per_rank - micro_batch_size + 1, micro_batch_size)]
+
+
+def step_micro_batches(rows: list[int], step: int, steps_per_epoch: int, grad_accum: int, seed: int, rank: int,
+                       world: int, micro_batch_size: int) -> Iterator[list[list[int]]]:
+    """From optimizer step ``step`` on, forever: each item is the ``grad_accum`` micro-batches of one step."""
+    while True:
+        epoch, in_epoch = divmod(step, steps_per_epoch)
+        batches = epoch_micro_batches(rows, epoch, seed, rank, world, micro_batch_size)
+        for s in range(in_epoch, steps_per_epoch):
+            yield batches[s * grad_accum: (s + 1) * grad_accum]
+        step = (epoch + 1) * steps_per_epoch
+
+
+def eval_micro_batches(rows: list[int], rank: int, world: int, micro_batch_size: int) -> list[list[int]]:
+    """Held-out rows of this rank in a fixed order (every row is evaluated by exactly one rank)."""
+    mine = rows[rank::world]
+    return [mine[i: i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def collate(data: SelfDistilledData, rows: list[int], num_heads: int) -> Batch:
+    """Windows of the given rows, right-padded into one batch."""
+    examples = [data.examples[r] for r in rows]
+    starts = [window_start(e.prompt_len, num_heads) for e in examples]
+    lengths = [len(e.ids) - s for e, s in zip(examples, starts)]
+    input_ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)  # [B, W]
+    for i, (e, s, n) in enumerate(zip(examples, starts, lengths)):
+        input_ids[i, :n] = e.ids[s:]
+    return Batch(input_ids=input_ids, answer_start=torch.tensor([e.prompt_len - s for e, s in zip(examples, starts)]),
+                 lengths=torch.tensor(lengths), rows=list(rows), starts=starts)

@@ -1,0 +1,188 @@
+"""The frozen backbone's last hidden states: computed per batch, or cached on disk once for all epochs.
+
+What the heads read is ``model(...).hidden_states[-1]``: in transformers 5 that is the final-normed state, so
+``lm_head(hidden_states[-1]) == logits``. Only each sequence's window (``batches.window_start``) is kept.
+
+Cache layout (``--feature_cache DIR``)::
+
+    DIR/meta.json                 backbone identity, dtype, seq_len, lookback (heads), data fingerprint, shard size
+    DIR/shard-00000.safetensors   hidden [sum W, H] (backbone dtype), rows [n], starts [n], offsets [n+1] (int64)
+
+Rows are grouped into shards of ``shard_size`` consecutive dataset rows. Each shard is written under a temp name and
+renamed, so a killed build leaves only complete shards and a rerun builds just the missing ones (resumable); with
+several processes, rank r builds shards r, r+world, ... A cache made with more heads (a longer lookback) serves a run
+with fewer; anything else that differs is an error naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .batches import Batch, SelfDistilledData, window_start
+
+log = logging.getLogger(__name__)
+META = "meta.json"
+FORMAT = 1
+
+
+@torch.no_grad()
+def backbone_hidden(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Final-normed last hidden states of each sequence [T_i] -> [T_i, H], in one right-padded forward."""
+    lengths = [len(s) for s in sequences]
+    input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros_like(input_ids)  # [B, T]
+    for i, seq in enumerate(sequences):
+        input_ids[i, : len(seq)] = seq
+        attention_mask[i, : len(seq)] = 1
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                logits_to_keep=1)  # logits of the last position only: the heads need the states, not the logits
+    hidden = out.hidden_states[-1]  # [B, T, H]
+    return [hidden[i, :n] for i, n in enumerate(lengths)]
+
+
+def _pad_windows(windows: list[torch.Tensor]) -> torch.Tensor:
+    """[W_i, H] each -> [B, max W, H], zero-padded."""
+    out = windows[0].new_zeros(len(windows), max(w.shape[0] for w in windows), windows[0].shape[1])
+    for i, w in enumerate(windows):
+        out[i, : w.shape[0]] = w
+    return out
+
+
+class BackboneFeatures:
+    """No cache: run the frozen backbone over each batch's full sequences and keep their windows."""
+
+    def __init__(self, model, data: SelfDistilledData):
+        self.model, self.data = model, data
+
+    def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, H]
+        states = backbone_hidden(self.model, [self.data.examples[r].ids for r in batch.rows])
+        return _pad_windows([s[start:] for s, start in zip(states, batch.starts)])
+
+
+def cache_meta(model, data: SelfDistilledData, seq_len: int, lookback: int, shard_size: int) -> dict:
+    from tokenmaxx.heads import backbone_identity
+
+    ident, revision = backbone_identity(model)
+    return {"format": FORMAT, "backbone": ident, "backbone_revision": revision,
+            "adapter": getattr(model.config, "tokenmaxx_adapter", None),
+            "adapter_revision": getattr(model.config, "tokenmaxx_adapter_revision", None),
+            "dtype": str(model.get_output_embeddings().weight.dtype).removeprefix("torch."),
+            "hidden_size": model.get_output_embeddings().weight.shape[1], "seq_len": seq_len, "lookback": lookback,
+            "data_fingerprint": data.fingerprint, "num_rows": data.num_rows, "shard_size": shard_size}
+
+
+def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _check_meta(found: dict, wanted: dict, folder: Path) -> None:
+    bad = {k: (found.get(k), v) for k, v in wanted.items() if k != "lookback" and found.get(k) != v}
+    if found.get("lookback", -1) < wanted["lookback"]:
+        bad["lookback"] = (found.get("lookback"), f">= {wanted['lookback']}")
+    if bad:
+        detail = "; ".join(f"{k}: cache has {a!r}, this run needs {b!r}" for k, (a, b) in bad.items())
+        raise ValueError(f"feature cache {folder} was made for another run ({detail}); delete it or pass another "
+                         "--feature_cache folder")
+
+
+class FeatureCache:
+    """Hidden-state windows stored on disk; ``hidden(batch)`` reads them (memory-mapped) instead of the backbone."""
+
+    def __init__(self, folder: str | Path, meta: dict):
+        self.folder, self.meta = Path(folder), meta
+        self._index: dict[int, tuple[int, int, int, int]] | None = None  # row -> (shard, begin, end, window start)
+        self._handles: dict[int, object] = {}
+
+    def _load_index(self) -> dict[int, tuple[int, int, int, int]]:
+        index = {}
+        for shard in range(self.num_shards):
+            with safe_open(self._shard_path(shard), framework="pt") as f:
+                rows, starts, offsets = f.get_tensor("rows"), f.get_tensor("starts"), f.get_tensor("offsets")
+            for i, row in enumerate(rows.tolist()):
+                index[row] = (shard, int(offsets[i]), int(offsets[i + 1]), int(starts[i]))
+        return index
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.meta["num_rows"] // self.meta["shard_size"])
+
+    def _shard_path(self, shard: int) -> Path:
+        return self.folder / f"shard-{shard:05d}.safetensors"
+
+    # ---- build ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def build_or_open(cls, folder: str | Path, model, data: SelfDistilledData, seq_len: int, num_heads: int,
+                      shard_size: int = 256, batch_size: int = 8, rank: int = 0, world: int = 1,
+                      barrier: Callable[[], None] = lambda: None) -> "FeatureCache":
+        """Open the cache at ``folder``, first building whatever shards are missing (this rank's share of them)."""
+        folder = Path(folder)
+        wanted = cache_meta(model, data, seq_len, num_heads, shard_size)
+        meta_path = folder / META
+        if meta_path.is_file():
+            _check_meta(json.loads(meta_path.read_text()), wanted, folder)
+        elif rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_atomic(meta_path, lambda p: Path(p).write_text(json.dumps(wanted, indent=2) + "\n"))
+        barrier()
+        cache = cls(folder, json.loads(meta_path.read_text()))  # the cache's own (maybe longer) lookback, shard size
+        todo = [s for s in range(rank, cache.num_shards, world) if not cache._shard_path(s).is_file()]
+        for shard in tqdm(todo, desc="feature cache", unit="shard", disable=rank != 0 or not todo):
+            cache._build_shard(shard, model, data, batch_size)
+        barrier()
+        return cache
+
+    def _build_shard(self, shard: int, model, data: SelfDistilledData, batch_size: int) -> None:
+        size, lookback = self.meta["shard_size"], self.meta["lookback"]
+        rows = [r for r in range(shard * size, (shard + 1) * size) if r in data.examples]
+        windows: dict[int, torch.Tensor] = {}
+        by_length = sorted(rows, key=lambda r: len(data.examples[r].ids))  # less padding per forward
+        for i in range(0, len(by_length), batch_size):
+            chunk = by_length[i: i + batch_size]
+            states = backbone_hidden(model, [data.examples[r].ids for r in chunk])
+            for r, s in zip(chunk, states):
+                windows[r] = s[window_start(data.examples[r].prompt_len, lookback):].contiguous()
+        hidden_size = self.meta["hidden_size"]
+        dtype = getattr(torch, self.meta["dtype"])
+        tensors = {
+            "hidden": torch.cat([windows[r] for r in rows]) if rows else torch.zeros(0, hidden_size, dtype=dtype),
+            "rows": torch.tensor(rows, dtype=torch.long),
+            "starts": torch.tensor([window_start(data.examples[r].prompt_len, lookback) for r in rows],
+                                   dtype=torch.long),
+            "offsets": torch.tensor([0] + [len(windows[r]) for r in rows], dtype=torch.long).cumsum(0),
+        }
+        _write_atomic(self._shard_path(shard), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+
+    # ---- read -----------------------------------------------------------------------------------------------------
+    def _handle(self, shard: int):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(self._shard_path(shard), framework="pt")
+        return self._handles[shard]
+
+    def window(self, row: int, start: int) -> torch.Tensor:
+        """Cached states of ``row`` from sequence position ``start`` on: [T - start, H]."""
+        if self._index is None:
+            self._index = self._load_index()
+        if row not in self._index:
+            raise KeyError(f"row {row} is not in the feature cache {self.folder}")
+        shard, begin, end, cached_start = self._index[row]
+        if start < cached_start:
+            raise ValueError(f"row {row}: the cache holds positions from {cached_start}, asked for {start}")
+        return self._handle(shard).get_slice("hidden")[begin + start - cached_start: end]
+
+    def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, H]
+        return _pad_windows([self.window(r, s) for r, s in zip(batch.rows, batch.starts)])

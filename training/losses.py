@@ -1,0 +1,159 @@
+"""The heads' training objective: shifted self-distilled targets, per-head CE and/or KL, weights decaying with k.
+
+Head offset rule: head k (k = 1..K) reading the backbone's hidden state at position t targets the token at t+k+1
+(the backbone itself, reading t, predicts t+1). ``shifted_targets`` is the one place the rule is applied.
+
+A sequence is prompt + answer (the backbone's own answer); only targets inside the answer are trained. With
+``loss="kl"`` head k at t is pulled towards the backbone's own next-token distribution at position t+k (which is the
+backbone's prediction of the same token t+k+1), computed from the cached hidden state through the frozen lm_head.
+
+Letters: B batch, T time, K heads, V vocabulary, H hidden size, n selected positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear_ce import linear_cross_entropy
+
+STATS = ("ce", "kl", "top1", "count")  # rows of the per-head stats tensor returned by HeadsObjective
+
+
+def head_offset(k: int) -> int:
+    """Head k at position t targets token t + head_offset(k) = t+k+1."""
+    return k + 1
+
+
+def shifted_targets(input_ids: torch.Tensor, answer_start: torch.Tensor, lengths: torch.Tensor,
+                    num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets of every head at every position, and where they are trained.
+
+    input_ids: [B, T] (right-padded); answer_start: [B] first answer position; lengths: [B] real length.
+    Returns targets [K, B, T] long (0 where undefined) and valid [K, B, T] bool: target position inside the answer.
+    """
+    bsz, seq = input_ids.shape
+    targets = torch.zeros(num_heads, bsz, seq, dtype=torch.long)
+    valid = torch.zeros(num_heads, bsz, seq, dtype=torch.bool)
+    positions = torch.arange(seq)  # [T]
+    for k in range(1, num_heads + 1):
+        off = head_offset(k)
+        if off >= seq:
+            break
+        targets[k - 1, :, : seq - off] = input_ids[:, off:]
+        target_pos = positions + off  # [T]
+        valid[k - 1] = (target_pos[None] >= answer_start[:, None]) & (target_pos[None] < lengths[:, None])
+    return targets, valid
+
+
+def head_weights(num_heads: int, decay: float) -> list[float]:
+    """Loss weight of head k: decay**(k-1)."""
+    return [decay ** (k - 1) for k in range(1, num_heads + 1)]
+
+
+def teacher_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which positions' backbone distributions the KL needs, and where head k at t finds its teacher row.
+
+    valid: [K, B, T]. Returns need [B, T] bool (positions s = t+k used as a teacher) and row [K, B, T] long: the
+    index among the needed positions (in ``hidden[need]`` order) of head k's teacher at t, -1 where not valid.
+    """
+    num_heads, bsz, seq = valid.shape
+    need = torch.zeros(bsz, seq, dtype=torch.bool)
+    for k in range(1, num_heads + 1):
+        need[:, k:] |= valid[k - 1, :, : seq - k]  # teacher of head k at t sits at t+k
+    index = torch.full((bsz, seq), -1, dtype=torch.long)
+    index[need] = torch.arange(int(need.sum()))
+    row = torch.full((num_heads, bsz, seq), -1, dtype=torch.long)
+    for k in range(1, num_heads + 1):
+        row[k - 1, :, : seq - k] = torch.where(valid[k - 1, :, : seq - k], index[:, k:], -1)
+    return need, row
+
+
+
+def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None = None,
+                         rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unfused reference of ``linear_cross_entropy`` on materialised logits [N, V] (heads with their own lm_heads,
+    held-out metrics). targets, rows [N]; teacher [M, V] fp32 log-probs. Returns ce [N], kl [N], hit [N]."""
+    log_q = F.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ce = -log_q.gather(1, targets[:, None]).squeeze(1)
+    kl = torch.zeros_like(ce)
+    if teacher is not None:
+        log_p = teacher[rows]  # [N, V]
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    with torch.no_grad():
+        hit = -ce >= log_q.amax(-1)  # the target is a top-1 token
+    return ce, kl, hit
+
+
+class HeadsObjective(nn.Module):
+    """What DeepSpeed wraps: the heads (the only parameters) and their loss. The frozen lm_head is passed per call,
+    never registered here, so DeepSpeed neither casts, broadcasts nor checkpoints any backbone weight.
+
+    Heads that share the backbone's lm_head and expose ``head_states(hidden) -> [K, ..., H]`` (MedusaHeads) are scored
+    through ``linear_cross_entropy`` without materialising [K, n, V] logits; other heads through their logits.
+    """
+
+    def __init__(self, heads: nn.Module, loss: str = "ce", head_decay: float = 0.8):
+        super().__init__()
+        self.heads = heads
+        self.loss_kind = loss
+        self.weights = head_weights(heads.config.num_heads, head_decay)  # plain floats: not a checkpointed buffer
+        self.fused = heads.config.share_lm_head and callable(getattr(heads, "head_states", None))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
+                lengths: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, T, H] final-normed backbone states; input_ids [B, T]; answer_start, lengths [B].
+
+        Returns (weighted loss scalar, stats [len(STATS), K] detached: mean CE, mean KL, top-1 hits, target count).
+        """
+        x, targets, valid, teacher, row = self.select(hidden, input_ids, answer_start, lengths, lm_head)
+        num_heads, n = targets.shape
+        safe = torch.where(valid, targets, 0).flatten()  # [K*n] (invalid rows get weight 0 below)
+        rows = None if row is None else row.clamp(min=0).flatten()
+        if self.fused and getattr(lm_head, "bias", None) is None:
+            states = self.heads.head_states(x)  # [K, n, H]
+            ce, kl, hit = linear_cross_entropy(states.reshape(num_heads * n, -1), lm_head.weight, safe, teacher, rows)
+        else:
+            logits = self.heads(x, lm_head)  # [K, n, V]
+            ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), safe, teacher, rows)
+        return self.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n), valid)
+
+    def select(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
+               lengths: torch.Tensor, lm_head: nn.Module) -> tuple:
+        """The positions where some head trains, with their targets and KL teacher rows.
+
+        Returns x [n, H] (heads' dtype), targets [K, n], valid [K, n], teacher [m, V] fp32 log-probs or None
+        (the backbone's own distributions), row [K, n] index into teacher (-1 where not valid) or None.
+        """
+        num_heads = len(self.weights)
+        targets, valid = shifted_targets(input_ids, answer_start, lengths, num_heads)  # [K, B, T] x2
+        selected = valid.any(0)  # [B, T]
+        dtype = next(self.heads.parameters()).dtype
+        teacher = row = None
+        if self.loss_kind != "ce":
+            need, row = teacher_rows(valid)  # [B, T], [K, B, T]
+            with torch.no_grad():
+                teacher = F.log_softmax(lm_head(hidden[need].to(dtype)).float(), dim=-1)  # [m, V]
+            row = row[:, selected]  # [K, n]
+        return hidden[selected].to(dtype), targets[:, selected], valid[:, selected], teacher, row
+
+    def loss(self, ce: torch.Tensor, kl: torch.Tensor, hit: torch.Tensor,
+             valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row ce, kl, top-1 hit, valid [K, n] -> (loss, stats [len(STATS), K]).
+
+        loss = sum_k w_k * mean over head k's valid rows of its loss / sum_k w_k, over heads with targets here.
+        """
+        mask = valid.float()  # [K, n]
+        count = mask.sum(1)  # [K]
+        weights = torch.tensor(self.weights) * (count > 0)  # [K]
+        scale = (weights / count.clamp(min=1) / weights.sum().clamp(min=1e-12))[:, None] * mask  # [K, n]
+        total = (ce * 0.0).sum()  # a zero that keeps the graph even when no head has a target
+        if self.loss_kind in ("ce", "ce+kl"):
+            total = total + (ce * scale).sum()
+        if self.loss_kind in ("kl", "ce+kl"):
+            total = total + (kl * scale).sum()
+        stats = torch.stack([(ce.detach() * mask).sum(1), (kl.detach() * mask).sum(1),
+                             (hit & valid).sum(1).float(), count])  # [4, K]
+        stats[:2] /= count.clamp(min=1)
+        return total, stats

@@ -1,0 +1,165 @@
+"""Held-out metrics of the heads and the run's metric log (jsonl, TensorBoard when installed).
+
+Per head k: top-1 / top-5 accuracy, and the rank table ``rank_acc[k-1][r]`` = how often the target token is the r-th
+best of head k (r < 8). From the table, the expected accepted length of the shipped tree under an independence
+assumption: tau = 1 (bonus token) + sum over tree nodes of the product of rank accuracies along the node's path.
+Deeper heads are more often right when their parents were (see DESIGN.md), so the product underestimates; the
+empirical tau (``tree_tau_empirical``: per position, the depth of the deepest tree path whose every rank matches the
+targets, + 1) is reported beside it, as is the chain-conditioned table ``rank_acc_given_prev_top1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from tokenmaxx.inference.tree import Tree
+
+from .batches import SelfDistilledData, collate, eval_micro_batches
+from .losses import logits_cross_entropy
+
+log = logging.getLogger(__name__)
+RANKS = 8
+
+
+def target_ranks(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [K, n, V], targets [K, n] -> rank of each target among its head's logits [K, n] (0 = best)."""
+    target_logit = logits.gather(-1, targets[..., None])  # [K, n, 1]
+    return (logits > target_logit).sum(-1)
+
+
+class RankCounts:
+    """Sums over held-out positions; ``tensor()`` flattens them for one all_reduce across ranks."""
+
+    def __init__(self, num_heads: int, tree: Tree):
+        self.tree = tree
+        ranks = max(RANKS, tree.buffers.topk)
+        self.hits = torch.zeros(num_heads, ranks, dtype=torch.float64)  # [K, R] target at rank r of head k
+        self.total = torch.zeros(num_heads, dtype=torch.float64)  # [K] positions where head k has a target
+        self.cond_hits = torch.zeros(num_heads, ranks, dtype=torch.float64)  # [K, R] same, heads < k all top-1
+        self.cond_total = torch.zeros(num_heads, dtype=torch.float64)  # [K]
+        self.node_hits = torch.zeros(len(tree.paths), dtype=torch.float64)  # [N-1] positions where a path matched
+        self.tree_total = torch.zeros(1, dtype=torch.float64)  # positions with a head-1 target
+
+    def add(self, ranks: torch.Tensor, valid: torch.Tensor) -> None:
+        """ranks, valid: [K, n] rank of each head's target and whether it exists."""
+        num_heads, num_ranks = self.hits.shape
+        ranks = torch.where(valid, ranks, -1)  # [K, n]; -1 never matches a tree rank
+        prev_top1 = torch.ones(ranks.shape[1], dtype=torch.bool)  # [n]
+        for k in range(num_heads):
+            in_table = valid[k] & (ranks[k] < num_ranks)
+            self.hits[k] += torch.bincount(ranks[k][in_table], minlength=num_ranks).double()
+            self.total[k] += valid[k].sum()
+            cond = in_table & prev_top1
+            self.cond_hits[k] += torch.bincount(ranks[k][cond], minlength=num_ranks).double()
+            self.cond_total[k] += (valid[k] & prev_top1).sum()
+            prev_top1 = prev_top1 & (ranks[k] == 0)
+        self.tree_total += valid[0].sum()
+        for i, path in enumerate(self.tree.paths):
+            match = valid[0].clone()
+            for depth, rank in enumerate(path):
+                match &= ranks[depth] == rank
+            self.node_hits[i] += match.sum()
+
+    def tensor(self) -> torch.Tensor:
+        sums = (self.hits, self.total, self.cond_hits, self.cond_total, self.node_hits, self.tree_total)
+        return torch.cat([t.flatten() for t in sums])
+
+    def load(self, flat: torch.Tensor) -> None:
+        sums = (self.hits, self.total, self.cond_hits, self.cond_total, self.node_hits, self.tree_total)
+        for t, part in zip(sums, flat.split([t.numel() for t in sums])):
+            t.copy_(part.view_as(t))
+
+    def summary(self) -> dict:
+        acc = self.hits / self.total.clamp(min=1)[:, None]  # [K, R]
+        cond = self.cond_hits / self.cond_total.clamp(min=1)[:, None]  # [K, R]
+        product = sum(_path_product(acc, path) for path in self.tree.paths)
+        return {
+            "head_top1": _round(acc[:, 0]), "head_top5": _round(acc[:, :5].sum(1)),
+            "rank_acc": [_round(row[:RANKS]) for row in acc],
+            "rank_acc_given_prev_top1": [_round(row[:RANKS]) for row in cond],
+            "tree_nodes": self.tree.num_nodes,
+            "tree_tau_product": round(1.0 + float(product), 4),
+            "tree_tau_empirical": round(1.0 + float(self.node_hits.sum() / self.tree_total.clamp(min=1)), 4),
+            "eval_positions": int(self.tree_total),
+        }
+
+
+def _path_product(acc: torch.Tensor, path: tuple[int, ...]) -> float:
+    value = 1.0
+    for depth, rank in enumerate(path):
+        value *= float(acc[depth, rank]) if depth < acc.shape[0] and rank < acc.shape[1] else 0.0
+    return value
+
+
+def _round(values: torch.Tensor) -> list[float]:
+    return [round(float(v), 4) for v in values]
+
+
+@torch.no_grad()
+def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, micro_batch_size: int, rank: int,
+             world: int, all_reduce=None) -> dict:
+    """Held-out loss and accuracy metrics of ``objective.heads``; every rank evaluates its share, then all_reduce."""
+    num_heads = objective.heads.config.num_heads
+    counts = RankCounts(num_heads, tree)
+    loss_sum = torch.zeros(2, dtype=torch.float64)  # [weighted loss * positions, positions]
+    was_training = objective.training
+    objective.eval()
+    for rows in eval_micro_batches(data.eval, rank, world, micro_batch_size):
+        batch = collate(data, rows, num_heads)
+        hidden = features.hidden(batch)  # [B, W, H]
+        x, targets, valid, teacher, row = objective.select(hidden, batch.input_ids, batch.answer_start,
+                                                           batch.lengths, lm_head)
+        logits = objective.heads(x, lm_head)  # [K, n, V]
+        num_heads, n = targets.shape
+        ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), torch.where(valid, targets, 0).flatten(),
+                                              teacher, None if row is None else row.clamp(min=0).flatten())
+        loss, _ = objective.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n), valid)
+        counts.add(target_ranks(logits, targets), valid)
+        n = float(valid.any(0).sum())
+        loss_sum += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+    objective.train(was_training)
+    flat = torch.cat([counts.tensor(), loss_sum])
+    if all_reduce is not None:
+        all_reduce(flat)
+    counts.load(flat[:-2])
+    return {"eval_loss": round(float(flat[-2] / flat[-1].clamp(min=1)), 5), **counts.summary()}
+
+
+class MetricsLogger:
+    """Appends one JSON object per line to OUTPUT_DIR/metrics.jsonl (rank 0 only); mirrors scalars to TensorBoard
+    when ``tensorboard`` is installed (optional dependency)."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool = True):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self.tb = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.info("tensorboard is not installed: metrics go to %s only", self.path)
+            else:
+                self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{record.get('split', 'train')}/{key}", value, step)
+                elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                    for k, v in enumerate(value, start=1):
+                        self.tb.add_scalar(f"{record.get('split', 'train')}/{key}/head{k}", v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,143 @@
+"""TrainConfig: every knob of a head-training run, one validated dataclass (parsed by scripts/train_heads.py).
+
+Fields that DeepSpeed also knows (lr, warmup, max_steps, grad_accum, micro_batch_size, grad_clip, weight_decay,
+zero_stage, and dtype -> ``bf16.enabled``) default to None, meaning "not given on the command line": the value then
+comes from the DeepSpeed JSON (``--ds_config``) when it holds a concrete value there, else from ``DEFAULTS`` below.
+A flag given explicitly that disagrees with a concrete JSON value is an error (see ``ds_setup.resolve_ds_config``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DS_CONFIG = str(Path(__file__).with_name("ds_config.json"))
+LOSSES = ("ce", "kl", "ce+kl")
+DTYPES = ("float32", "bfloat16")
+
+# Defaults of the DeepSpeed-controlled fields, used when neither the flag nor the JSON gives a value.
+DEFAULTS: dict[str, Any] = {"lr": 1e-3, "warmup": 20, "weight_decay": 0.0, "grad_accum": 4, "micro_batch_size": 4,
+                            "grad_clip": 1.0, "zero_stage": 1, "dtype": "bfloat16"}
+
+
+def _ds_help(text: str, name: str) -> str:
+    return f"{text} [unset: the --ds_config value, else {DEFAULTS[name]}]"
+
+
+@dataclass
+class TrainConfig:
+    # ---- data ----------------------------------------------------------------------------------------------------
+    data: str = field(metadata={"help": "self-distilled dataset folder (datasets.save_to_disk) with columns prompt, "
+                                        "prompt_ids, answer_ids and a provenance.json in it (scripts/make_data.py)"})
+    seq_len: int = field(default=512, metadata={
+        "help": "max tokens per sequence (prompt + answer); longer answers are cut, prompts that leave no answer "
+                "token inside seq_len are dropped"})
+    eval_fraction: float = field(default=0.05, metadata={
+        "help": "fraction of examples held out for metrics (used when the data has no validation/test split)"})
+    eval_max_examples: int = field(default=256, metadata={"help": "cap on held-out examples"})
+    feature_cache: str | None = field(default=None, metadata={
+        "help": "folder for the frozen backbone's cached last hidden states (built on first use, resumable); "
+                "omit to run the backbone on every micro-batch"})
+    seed: int = field(default=0, metadata={"help": "seed of the train/eval split and the per-epoch data order"})
+
+    # ---- backbone and heads --------------------------------------------------------------------------------------
+    backbone: str = field(default="smollm2-135m", metadata={
+        "help": "backbone alias (see tokenmaxx.heads.BACKBONES), local HF folder, or Hub id"})
+    adapter: str | None = field(default=None, metadata={
+        "help": "PEFT adapter merged into the backbone (folder / Hub id)"})
+    dtype: str | None = field(default=None, metadata={
+        "help": _ds_help(f"backbone and head compute dtype, one of {DTYPES}; bfloat16 is DeepSpeed bf16 with fp32 "
+                         "master weights (JSON bf16.enabled)", "dtype")})
+    num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions ahead"})
+    num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
+    share_lm_head: bool = field(default=True, metadata={
+        "help": "project with the backbone's frozen lm_head (small checkpoints) instead of a trained copy per head"})
+
+    # ---- objective -----------------------------------------------------------------------------------------------
+    loss: str = field(default="ce", metadata={
+        "help": f"one of {LOSSES}: cross-entropy on the self-distilled tokens, KL to the backbone's own "
+                "distribution at t+k, or their sum"})
+    head_decay: float = field(default=0.8, metadata={"help": "head k's loss weight is head_decay**(k-1)"})
+
+    # ---- optimisation (unset: the DeepSpeed JSON's concrete value, else the default in brackets) -------------------
+    ds_config: str = field(default=DEFAULT_DS_CONFIG, metadata={
+        "help": "DeepSpeed JSON config; its 'auto' values are filled from the flags below"})
+    max_steps: int | None = field(default=None, metadata={
+        "help": "optimizer steps to train (scheduler total_num_steps); exclusive with --epochs"})
+    epochs: float | None = field(default=None, metadata={"help": "epochs to train (1 when --max_steps and the JSON's "
+                                                                 "total_num_steps are unset)"})
+    lr: float | None = field(default=None, metadata={"help": _ds_help("peak AdamW learning rate", "lr")})
+    warmup: int | None = field(default=None, metadata={
+        "help": _ds_help("linear warm-up steps before the cosine decay", "warmup")})
+    weight_decay: float | None = field(default=None, metadata={"help": _ds_help("AdamW weight decay", "weight_decay")})
+    grad_accum: int | None = field(default=None, metadata={
+        "help": _ds_help("micro-batches per optimizer step and process", "grad_accum")})
+    micro_batch_size: int | None = field(default=None, metadata={
+        "help": _ds_help("sequences per micro-batch and process", "micro_batch_size")})
+    grad_clip: float | None = field(default=None, metadata={
+        "help": _ds_help("gradient norm clip, 0 = off", "grad_clip")})
+    zero_stage: int | None = field(default=None, metadata={"help": _ds_help("ZeRO stage 0, 1 or 2", "zero_stage")})
+
+    # ---- run -----------------------------------------------------------------------------------------------------
+    output_dir: str = field(default="runs/heads", metadata={
+        "help": "run folder: checkpoints/, metrics.jsonl, run_config.json, ds_config.resolved.json"})
+    export_dir: str | None = field(default=None, metadata={"help": "where the trained heads are exported "
+                                                                    "(default: OUTPUT_DIR/heads)"})
+    save_every: int = field(default=200, metadata={"help": "checkpoint every N optimizer steps (and at the end); 0 = "
+                                                           "only at the end"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "newest checkpoints kept; older ones are deleted"})
+    eval_every: int = field(default=0, metadata={
+        "help": "held-out metrics every N steps (and at the end); 0 = end only"})
+    log_every: int = field(default=1, metadata={"help": "log training metrics every N optimizer steps"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the newest checkpoint in OUTPUT_DIR/checkpoints (bit-identical to an uninterrupted "
+                "run)"})
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("--data is required: the self-distilled dataset folder")
+        positive = {"seq_len": self.seq_len, "eval_max_examples": self.eval_max_examples, "num_heads": self.num_heads,
+                    "log_every": self.log_every, "max_steps": self.max_steps, "warmup": self.warmup,
+                    "grad_accum": self.grad_accum, "micro_batch_size": self.micro_batch_size, "lr": self.lr}
+        for name, value in positive.items():
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name} must be > 0, got {value!r}")
+        non_negative = {"num_layers": self.num_layers, "save_every": self.save_every, "eval_every": self.eval_every,
+                        "keep_checkpoints": self.keep_checkpoints, "weight_decay": self.weight_decay,
+                        "grad_clip": self.grad_clip}
+        for name, value in non_negative.items():
+            if value is not None and value < 0:
+                raise ValueError(f"--{name} must be >= 0, got {value!r}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0.0 < self.head_decay <= 1.0:
+            raise ValueError(f"--head_decay must be in (0, 1], got {self.head_decay!r}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"--zero_stage must be 0, 1 or 2 (stage 3 is not supported for heads), "
+                             f"got {self.zero_stage}")
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("give either --max_steps or --epochs, not both")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"--epochs must be > 0, got {self.epochs!r}")
+        if not Path(self.ds_config).is_file():
+            raise FileNotFoundError(f"--ds_config {self.ds_config} does not exist")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.output_dir) / "checkpoints"
+
+    @property
+    def heads_export_dir(self) -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "heads"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,288 @@
+"""Train draft heads on a frozen backbone with DeepSpeed: data -> features -> engine -> steps -> metrics -> export.
+
+``train(cfg)`` is the whole run, as named steps:
+
+1. processes     join the gloo process group (a plain single process gets RANK / WORLD_SIZE defaults)
+2. data          self-distilled examples, train / held-out split (``batches.load_data``)
+3. config        DeepSpeed JSON merged with the flags (``ds_setup.resolve_ds_config``)
+4. backbone      frozen, eval mode; never handed to DeepSpeed (its weights stay bit-identical)
+5. heads         ``MedusaHeads.for_backbone``; the objective module wraps them (``losses.HeadsObjective``); the
+                 checkpoint folder is checked against the run's identity before any expensive work
+6. features      cached hidden states on disk (``--feature_cache``) or the backbone per batch
+7. engine        DeepSpeed over the heads' parameters only: torch AdamW, warm-up + cosine, accumulation, clipping
+8. checkpoints   resume (``--resume``) from the newest checkpoint: weights, optimizer, scheduler, RNG
+9. loop          optimizer steps; metrics.jsonl; checkpoints every ``save_every`` steps; held-out metrics
+10. export       fp32 master weights -> ``heads.save_pretrained(export_dir)`` with config.extra = provenance
+
+The data order is a function of (seed, epoch, step) and DeepSpeed restores weights, optimizer and scheduler, so a
+resumed run continues bit-identically. See ``ds_setup`` for the launchers (plain, torchrun, deepspeed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, MedusaHeads, backbone_identity, load_backbone
+from tokenmaxx.inference.tree import parse_tree
+
+from . import checkpoints
+from .batches import SelfDistilledData, collate, load_data, step_micro_batches
+from .checkpoints import atomic_write_text
+from .ds_setup import build_engine, init_distributed, resolve_ds_config, steps_per_epoch
+from .features import BackboneFeatures, FeatureCache
+from .losses import STATS, HeadsObjective, shifted_targets
+from .metrics import MetricsLogger, evaluate
+from .train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    export_dir: Path
+    steps: int  # optimizer steps done in total (including those before a resume)
+    losses: list[float] = field(default_factory=list)  # loss of each step run by this call (all ranks' mean)
+    metrics: dict = field(default_factory=dict)  # final held-out metrics
+    positions_per_s: float = 0.0  # trained positions per second over this call's steps (all ranks)
+    wall_seconds: float = 0.0
+
+
+# ---- collectives (no-ops in a single process) ------------------------------------------------------------------
+def _all_reduce(t: torch.Tensor) -> None:
+    import deepspeed.comm as dist
+
+    if dist.get_world_size() > 1:
+        t.copy_(_reduced(t))
+
+
+def _reduced(t: torch.Tensor) -> torch.Tensor:
+    import deepspeed.comm as dist
+
+    out = t.double().clone()
+    dist.all_reduce(out)
+    return out.to(t.dtype)
+
+
+def _barrier() -> None:
+    import deepspeed.comm as dist
+
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# ---- steps --------------------------------------------------------------------------------------------------------
+def load_frozen_backbone(cfg: TrainConfig):
+    """Step 4: the backbone by alias / folder / Hub id, in cfg.dtype, with the PEFT adapter merged if any."""
+    kwargs = {"dtype": cfg.dtype}
+    if cfg.adapter is not None:
+        kwargs["adapter"] = cfg.adapter
+    model, _ = load_backbone(cfg.backbone, **kwargs)
+    return model
+
+
+def check_frozen_backbone(model, cfg: TrainConfig, data: SelfDistilledData) -> None:
+    """The backbone is frozen, in the run's dtype, and the one the data was distilled from (when recorded)."""
+    weight = model.get_output_embeddings().weight
+    if weight.dtype != getattr(torch, cfg.dtype):
+        raise ValueError(f"the backbone is {weight.dtype} but the run's dtype is {cfg.dtype}; "
+                         f"load it with dtype={cfg.dtype!r} or pass --dtype {str(weight.dtype).removeprefix('torch.')}")
+    model.eval()
+    model.requires_grad_(False)
+    ident, revision = backbone_identity(model)
+    made_rev = data.provenance.get("backbone_revision")
+    if made_rev and revision and made_rev != revision:
+        raise ValueError(f"the data was distilled from backbone {data.provenance.get('backbone')!r} at revision "
+                         f"{made_rev}, but training runs on {ident!r} at revision {revision}: heads must learn the "
+                         "backbone's own answers")
+    if data.provenance.get("backbone") not in (None, ident):
+        log.warning("data provenance names backbone %r, training on %r", data.provenance.get("backbone"), ident)
+
+
+def rank_weight_digests(heads, world: int) -> list[str]:
+    """sha256 of the heads' weights on every rank (collective); data parallelism must keep them identical."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in heads.named_parameters():
+        digest.update(name.encode() + param.detach().float().cpu().numpy().tobytes())
+    digests = [digest.hexdigest()]
+    if world > 1:
+        digests = [None] * world
+        torch.distributed.all_gather_object(digests, digest.hexdigest())
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"head weights differ between ranks after training: {digests}")
+    return digests
+
+
+def export_heads(heads, cfg: TrainConfig, extra: dict, rank: int) -> Path:
+    """Step 10: gather fp32 master weights (collective), then rank 0 writes config.json + model.safetensors."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state = {}
+    for name, param in heads.named_parameters():
+        full = safe_get_full_fp32_param(param)  # ZeRO-partitioned fp32 master copy, gathered on every rank
+        state[name] = (full if full is not None else param).detach().float().cpu().clone()
+    out = cfg.heads_export_dir
+    if rank == 0:
+        config = HeadsConfig.from_dict({**heads.config.to_dict(), "extra": extra})
+        exported = HEAD_KINDS[config.kind](config)
+        exported.load_state_dict(state, strict=True)
+        exported.save_pretrained(out)
+    _barrier()
+    return out
+
+
+def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list[int]], lm_head,
+             num_heads: int) -> tuple[torch.Tensor, float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches.
+
+    Returns (sums [1 + len(STATS) * K + 1]: loss sum, per-head stats, trained positions; this rank's), feature
+    seconds (backbone forward or cache read), total seconds.
+    """
+    start = time.perf_counter()
+    steps_before, feature_s = engine.global_steps, 0.0
+    sums = torch.zeros(2 + len(STATS) * num_heads, dtype=torch.float64)
+    for rows in micro_batches:
+        batch = collate(data, rows, num_heads)
+        t0 = time.perf_counter()
+        hidden = features.hidden(batch)  # [B, W, H]
+        feature_s += time.perf_counter() - t0
+        loss, stats = engine(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head=lm_head)
+        engine.backward(loss)
+        engine.step()
+        _, valid = shifted_targets(batch.input_ids, batch.answer_start, batch.lengths, num_heads)  # [K, B, W]
+        stats = stats.double()
+        stats[:2] *= stats[3]  # means -> sums, to average over micro-batches and ranks by target count
+        sums += torch.cat([loss.detach().double().view(1), stats.flatten(), valid.any(0).sum().double().view(1)])
+    if engine.global_steps != steps_before + 1:
+        raise RuntimeError(f"{len(micro_batches)} micro-batches made {engine.global_steps - steps_before} optimizer "
+                           "steps, expected exactly 1 (gradient_accumulation_steps mismatch)")
+    return sums, feature_s, time.perf_counter() - start
+
+
+def step_record(step: int, sums: torch.Tensor, num_micro: int, num_heads: int, lr: float, seconds: float,
+                feature_s: float) -> dict:
+    stats = sums[1:-1].view(len(STATS), num_heads)  # summed over micro-batches and ranks
+    count = stats[3].clamp(min=1)
+    record = {"split": "train", "step": step, "loss": round(float(sums[0] / num_micro), 6), "lr": lr,
+              "head_ce": [round(float(v), 5) for v in stats[0] / count],
+              "head_top1": [round(float(v), 4) for v in stats[2] / count],
+              "positions": int(sums[-1]), "positions_per_s": round(float(sums[-1]) / seconds, 1),
+              "step_s": round(seconds, 4), "feature_s": round(feature_s, 4)}
+    if stats[1].any():
+        record["head_kl"] = [round(float(v), 5) for v in stats[1] / count]
+    return record
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainResult:
+    """Train heads as ``cfg`` says.
+
+    model: an already loaded backbone (else ``cfg.backbone`` is loaded). stop_after: end this call right after the
+    checkpoint of that step, without final metrics or export, as an interruption would (``--resume`` continues).
+    """
+    wall_start = time.perf_counter()
+    requested = cfg.to_dict()
+    rank, world = init_distributed()  # 1. processes
+    data = load_data(cfg.data, cfg.seq_len, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed)  # 2. data
+    cfg, ds = resolve_ds_config(cfg, world, len(data.train))  # 3. config
+    if model is None:  # 4. backbone
+        model = load_frozen_backbone(cfg)
+    check_frozen_backbone(model, cfg, data)
+    lm_head = model.get_output_embeddings()
+    torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
+    heads = MedusaHeads.for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                                     share_lm_head=cfg.share_lm_head)
+    tree = parse_tree(heads.config.tree, cfg.num_heads)
+    objective = HeadsObjective(heads, cfg.loss, cfg.head_decay)
+    identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world)  # checked before any work
+    resumed = checkpoints.prepare(cfg.checkpoint_dir, identity, cfg.resume, rank)
+    _barrier()
+    if cfg.feature_cache:  # 6. features
+        features = FeatureCache.build_or_open(cfg.feature_cache, model, data, cfg.seq_len, cfg.num_heads,
+                                              rank=rank, world=world, barrier=_barrier)
+    else:
+        features = BackboneFeatures(model, data)
+    out = Path(cfg.output_dir)
+    if rank == 0:
+        atomic_write_text(out / "run_config.json", _json({"resolved": cfg.to_dict(), "requested": requested}))
+        atomic_write_text(out / "ds_config.resolved.json", _json(ds))
+    engine = build_engine(objective, ds)  # 7. engine
+    if resumed:  # 8. checkpoints
+        step = checkpoints.load(engine, cfg.checkpoint_dir)
+    else:
+        step = 0
+        # WarmupCosineLR starts at iteration -1 (lr 0, and a warning) and its warm-up at iteration 0 is lr 0 again:
+        # one step here makes the first optimizer step the warm-up's first (lr 0, as HF's linear warm-up does).
+        engine.lr_scheduler.step()
+
+    logger = MetricsLogger(out, enabled=rank == 0)  # 9. loop
+    per_epoch = steps_per_epoch(len(data.train), world, cfg.micro_batch_size, cfg.grad_accum)
+    order = step_micro_batches(data.train, step, per_epoch, cfg.grad_accum, cfg.seed, rank, world,
+                               cfg.micro_batch_size)
+    result = TrainResult(export_dir=cfg.heads_export_dir, steps=step)
+    positions = seconds = 0.0
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train heads", unit="step", disable=rank != 0)
+    saved_at = step if resumed else -1
+    while step < cfg.max_steps:
+        lr = engine.get_lr()[0]  # this step's learning rate (the scheduler moves on inside the step)
+        sums, feature_s, step_s = run_step(engine, features, data, next(order), lm_head, cfg.num_heads)
+        step += 1
+        sums = _reduced(sums) if world > 1 else sums
+        step_s = float(_reduced(torch.tensor([step_s]))[0]) / world if world > 1 else step_s
+        record = step_record(step, sums, cfg.grad_accum * world, cfg.num_heads, lr, step_s, feature_s)
+        result.losses.append(record["loss"])
+        positions += record["positions"]
+        seconds += step_s
+        bar.update(1)
+        bar.set_postfix(loss=record["loss"], pos_s=record["positions_per_s"])
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            logger.log(record)
+        if cfg.save_every and step % cfg.save_every == 0:
+            checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank)
+            saved_at = step
+        if stop_after is not None and step >= stop_after:
+            if saved_at != step:
+                raise ValueError(f"stop_after={stop_after} is not a checkpoint step (save_every={cfg.save_every})")
+            bar.close()
+            logger.close()
+            result.steps = step
+            return result
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+            logger.log({"split": "eval", "step": step, **_evaluate(objective, lm_head, features, data, tree, cfg,
+                                                                  rank, world)})
+    bar.close()
+    if saved_at != step:
+        checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank)
+    result.metrics = _evaluate(objective, lm_head, features, data, tree, cfg, rank, world)
+    logger.log({"split": "eval", "step": step, **result.metrics})
+    logger.close()
+    result.steps = step
+    result.positions_per_s = positions / seconds if seconds else 0.0
+    result.wall_seconds = time.perf_counter() - wall_start
+    extra = {"training": cfg.to_dict(), "requested": requested, "deepspeed": ds, "world_size": world,
+             "data": {"path": str(cfg.data), "provenance": data.provenance, "fingerprint": data.fingerprint,
+                      "rows": data.num_rows, "train_examples": len(data.train), "eval_examples": len(data.eval),
+                      "dropped": data.dropped},
+             "metrics": result.metrics, "steps": step, "wall_seconds": round(result.wall_seconds, 2),
+             "train_positions_per_s": round(result.positions_per_s, 1),
+             "rank_weight_digests": rank_weight_digests(engine.module.heads, world)}
+    export_heads(engine.module.heads, cfg, extra, rank)  # 10. export
+    return result
+
+
+def _evaluate(objective, lm_head, features, data, tree, cfg: TrainConfig, rank: int, world: int) -> dict:
+    return evaluate(objective, lm_head, features, data, tree, cfg.micro_batch_size, rank, world,
+                    all_reduce=_all_reduce if world > 1 else None)
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+
