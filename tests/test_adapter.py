@@ -1,0 +1,51 @@
+"""A PEFT LoRA adapter merged into the backbone: recorded by the heads, and heads refuse a backbone without it."""
+
+import pytest
+import torch
+from conftest import greedy_reference, tiny_model
+from peft import LoraConfig, get_peft_model
+from tiny_tokenizer import tiny_tokenizer
+
+from tokenmaxx.heads import BackboneMismatchError, DraftHeads, MedusaHeads, load_backbone
+from tokenmaxx.inference import SpeculativeGenerator
+
+
+@pytest.fixture
+def base_and_adapter(tmp_path):
+    base = tmp_path / "base"
+    tiny_model("llama", seed=31).save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    torch.manual_seed(0)
+    lora = get_peft_model(tiny_model("llama", seed=31),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "adapter")
+    return str(base), str(tmp_path / "adapter")
+
+
+def test_adapter_is_merged_recorded_and_checked(base_and_adapter, tmp_path):
+    base, adapter = base_and_adapter
+    merged, _ = load_backbone(base, adapter=adapter)
+    plain, _ = load_backbone(base)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert not torch.allclose(merged(ids).logits, plain(ids).logits)  # the adapter really changed the model
+    assert merged.config.tokenmaxx_adapter == adapter
+    assert merged.config.tokenmaxx_adapter_revision.startswith("sha256:")
+    assert not any("lora" in name for name, _ in merged.named_parameters())  # merged, not wrapped
+
+    heads = MedusaHeads.for_backbone(merged)
+    assert heads.config.adapter == adapter
+    heads.save_pretrained(tmp_path / "heads")
+    heads = DraftHeads.from_pretrained(tmp_path / "heads")
+    merged.generation_config.eos_token_id = None
+    out = SpeculativeGenerator(merged, heads).generate(ids, max_new_tokens=12)
+    assert out.sequences.tolist() == greedy_reference(merged, ids, 12).tolist()
+    with pytest.raises(BackboneMismatchError, match="adapter"):
+        SpeculativeGenerator(plain, heads)  # heads trained with the adapter on a backbone without it
+
+
+def test_not_an_adapter_folder(base_and_adapter, tmp_path):
+    base, _ = base_and_adapter
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a PEFT adapter folder"):
+        load_backbone(base, adapter=str(tmp_path / "empty"))
