@@ -25,6 +25,6 @@ if [ "${1:-}" = "--qwen" ]; then  # optional larger backbones (~0.5 GB and ~1.2 
 fi
 # DeepSpeed JIT-compiles its deepspeed_shm_comm op on first use (~1 min): build it once here (a no-op when cached
 # in ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR).
-.venv/bin/python -m tokenmaxx.training.ds_setup --prebuild
+.venv/bin/python -c "from tokenmaxx.training.ds_setup import prebuild_shm_comm; prebuild_shm_comm()"
 .venv/bin/python -c "import tokenmaxx.heads, tokenmaxx.inference, tokenmaxx.training, torch; \
 assert torch.__version__.startswith('2.13.0'), torch.__version__"
