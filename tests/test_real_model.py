@@ -63,3 +63,18 @@ def test_oracle_heads_token_identical_fp32(smollm2):
     out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer).generate(input_ids, max_new_tokens=40)
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.mean_tau > 2.0
+
+
+def test_shipped_heads_load_and_stay_exact_fp32(smollm2):
+    from tokenmaxx.heads import DraftHeads, default_heads_path
+
+    model, tokenizer = smollm2
+    path = default_heads_path("smollm2-135m")
+    assert path is not None, "the trained heads for the default backbone must ship in heads/pretrained"
+    assert sum(f.stat().st_size for f in path.iterdir()) < 20 * 2**20
+    heads = DraftHeads.from_pretrained(path)
+    assert heads.config.backbone == "smollm2-135m" and heads.config.extra["metrics"]["head_top1"][0] > 0.2
+    gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer)
+    input_ids = gen.encode([{"role": "user", "content": PROMPTS[0]}])
+    out = gen.generate(input_ids, max_new_tokens=32)
+    assert out.sequences.tolist() == greedy_reference(model, input_ids, 32).tolist()
