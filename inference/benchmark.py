@@ -164,15 +164,9 @@ def summarize(results: dict[str, MethodResult], prompts: list[Prompt]) -> dict:
 def machine_info(threads: int, dtype: str) -> dict:
     import transformers
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
+    from .tree_search import cpu_name
+
+    return {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "dtype": dtype, "platform": platform.platform()}
 
 

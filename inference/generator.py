@@ -13,7 +13,7 @@ from transformers import DynamicCache, GenerationConfig
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_heads_path, load_backbone
 
 from .decoding import accept_greedy, commit, propose, verify
-from .lookup import DRAFT_MODES, HEADS, LOOKUP, LookupConfig, NgramIndex, merge_branch
+from .lookup import DRAFT_MODES, LOOKUP, SOURCE_NAMES, LookupConfig, NgramIndex, merge_branch
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 from .tree import Tree, chain, parse_tree
@@ -247,11 +247,10 @@ class SpeculativeGenerator:
             if sources is None:
                 stats.accepted_by_source["lookup" if self.draft == "lookup" else "heads"] += len(path)
             else:
-                for node in path:
-                    src = int(sources[node])
-                    stats.accepted_by_source["both" if src == HEADS | LOOKUP else
-                                             "lookup" if src == LOOKUP else "heads"] += 1
-                from_lookup = sum(1 for node in path if int(sources[node]) & LOOKUP)
+                path_sources = sources[path].tolist()
+                for src in path_sources:
+                    stats.accepted_by_source[SOURCE_NAMES[src]] += 1
+                from_lookup = sum(1 for src in path_sources if src & LOOKUP)
                 lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)
             if use_lookup:
                 index.extend(emitted)

@@ -14,6 +14,7 @@ import torch
 from .tree import TreeBuffers, compile_buffers
 
 HEADS, LOOKUP = 1, 2  # node source bits
+SOURCE_NAMES = {HEADS: "heads", LOOKUP: "lookup", HEADS | LOOKUP: "both"}
 DRAFT_MODES = ("heads", "lookup", "hybrid")
 
 

@@ -44,7 +44,7 @@ def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tu
 
     ranks: [T, K] rank of the true token t+k+1 in head k's distribution at position t (>= max_rank: not in a tree).
     """
-    total, (_, num_heads) = ranks.shape[0], ranks.shape
+    total = ranks.shape[0]
     counts: Counter = Counter()
     for row in ranks.tolist():
         path = []
@@ -166,14 +166,17 @@ def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
 
 
 # ---- caching ------------------------------------------------------------------------------------------------------
-def machine_fingerprint(model) -> dict:
-    cpu = platform.processor()
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo where there is one)."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        return platform.processor()
+
+
+def machine_fingerprint(model) -> dict:
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dtype": str(model.get_output_embeddings().weight.dtype)}
 
 
