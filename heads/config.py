@@ -24,6 +24,8 @@ class HeadsConfig:
     backbone_revision: str | None = field(default=None, metadata={"help": "backbone revision (GGUF sha256 or commit)"})
     adapter: str | None = field(default=None, metadata={"help": "PEFT adapter merged into the backbone, if any"})
     adapter_revision: str | None = field(default=None, metadata={"help": "revision of that adapter"})
+    layer_config: dict[str, Any] | None = field(default=None, metadata={
+        "help": "kind 'mtp': the backbone config (model_type and sizes) its decoder layers are built from"})
     tree: list[list[int]] | None = field(default=None, metadata={
         "help": "draft tree as paths of ranks; None means the library's default tree"})
     extra: dict[str, Any] = field(default_factory=dict, metadata={

@@ -13,6 +13,7 @@ from transformers import DynamicCache, GenerationConfig
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_heads_path, load_backbone
 
 from .decoding import accept_greedy, commit, propose, verify
+from .dynamic_tree import DynamicTreeConfig, MTPDrafter
 from .lookup import DRAFT_MODES, LOOKUP, SOURCE_NAMES, LookupConfig, NgramIndex, merge_branch
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
@@ -84,18 +85,27 @@ class SpeculativeGenerator:
         self.model = model
         self.heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
         self.tokenizer = tokenizer
-        if tree == "auto":  # calibrated for this machine (cached per backbone + heads + machine)
+        self.dynamic: DynamicTreeConfig | None = None  # sequential (mtp) heads draft dynamic trees
+        if callable(getattr(heads, "step", None)):
+            self.dynamic = _dynamic_config(tree if tree is not None else heads.config.extra.get("dynamic_tree"))
+            self.tree = chain(0)
+        elif tree == "auto":  # calibrated for this machine (cached per backbone + heads + machine)
             from .tree_search import auto_tree
 
             if tokenizer is None:
                 raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
             self.tree = auto_tree(model, self.heads, tokenizer)
         else:
+            if isinstance(tree, (str, DynamicTreeConfig)) and str(tree).startswith(("dynamic", "DynamicTree")):
+                raise ValueError(f"tree {tree!r}: dynamic trees are drafted by sequential heads (kind 'mtp'); "
+                                 f"these heads are {heads.config.kind!r}: use a static tree ('default', 'chain:K', "
+                                 "'auto' or a list of paths)")
             self.tree = parse_tree(tree if tree is not None else heads.config.tree, heads.config.num_heads)
         if self.tree.depth > heads.config.num_heads:
             raise ValueError(f"tree depth {self.tree.depth} exceeds the number of heads ({heads.config.num_heads})")
         if draft == "lookup":
             self.tree = chain(0)
+            self.dynamic = None
 
     @classmethod
     def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
@@ -200,6 +210,10 @@ class SpeculativeGenerator:
         last = out.logits[0, -1]  # [V]
         root = sample(target_probs(last, warpers), rng) if sampling else int(last.argmax())
         hidden = out.hidden_states[-1][0, -1]  # [H]
+        drafter = None
+        if self.dynamic is not None:
+            drafter = MTPDrafter(self.heads, self.model, self.dynamic)
+            drafter.start(out.hidden_states[-1][0], input_ids[0], root)
         prefix_len = prompt_len
         new_tokens = [root]
         stats.prefill_seconds = time.perf_counter() - start
@@ -217,8 +231,12 @@ class SpeculativeGenerator:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
             t0 = time.perf_counter()
             room = max_new_tokens - len(new_tokens) - 1
-            buffers = self.tree.truncate(room).buffers
-            tokens = propose(self.heads, lm_head, hidden, root, buffers)  # [N]
+            if drafter is not None:
+                draft_tree = drafter.propose(root, room)
+                tokens, buffers = draft_tree.tokens, draft_tree.buffers  # [N]
+            else:
+                buffers = self.tree.truncate(room).buffers
+                tokens = propose(self.heads, lm_head, hidden, root, buffers)  # [N]
             sources = None
             if use_lookup:
                 branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
@@ -231,6 +249,8 @@ class SpeculativeGenerator:
             t3 = time.perf_counter()
             prefix_len = commit(cache, prefix_len, accepted.nodes)
             hidden = verified.hidden[accepted.nodes[-1]]  # [H]
+            if drafter is not None:  # the module cache learns the accepted positions (timed as commit)
+                drafter.advance(verified.hidden[accepted.nodes], torch.tensor(accepted.tokens))
             t4 = time.perf_counter()
             phases["propose"] += t1 - t0
             phases["verify"] += t2 - t1
@@ -265,3 +285,17 @@ class SpeculativeGenerator:
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
+
+
+def _dynamic_config(spec) -> DynamicTreeConfig:
+    """Dynamic-tree settings from a spec: None / 'default' / 'dynamic[:...]' / a dict / a DynamicTreeConfig."""
+    if spec is None or spec == "default":
+        return DynamicTreeConfig()
+    if isinstance(spec, DynamicTreeConfig):
+        return spec
+    if isinstance(spec, dict):
+        return DynamicTreeConfig(**spec)
+    if isinstance(spec, str) and spec.startswith("dynamic"):
+        return DynamicTreeConfig.parse(spec)
+    raise ValueError(f"tree {spec!r}: sequential (mtp) heads draft dynamic trees; pass 'dynamic', 'dynamic:N' "
+                     "(N nodes) or 'dynamic:nodes=N,topk=K,depth=D'")

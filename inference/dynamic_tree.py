@@ -1,0 +1,210 @@
+"""Dynamic draft trees for sequential (MTP) heads: grown level by level from the draft's own log-probabilities.
+
+A candidate's score is the cumulative log-probability of its path under the draft (the sum of the log-probs of its
+tokens, each given its ancestors). One level:
+
+1. the frontier is the ``topk`` best candidates of the previous level (level 1: the root's ``topk`` children);
+2. each frontier node is expanded with its ``topk`` best children (one draft-module call for the whole frontier);
+3. the ``topk * topk`` children become the next level's candidates.
+
+After ``depth`` levels the tree keeps the ``nodes - 1`` best candidates overall (plus the root). A child's score is at
+most its parent's (log-probs are <= 0), and ties go to the shallower node, so the kept set always contains each kept
+node's parent. Growth stops early once no frontier node can still enter the kept set. The tree is compiled into the
+same buffers as static trees (``tree.compile_buffers``) and verified, accepted and committed by the same code.
+
+``expand_tree`` is the pure algorithm (any child-log-prob function); ``MTPDrafter`` runs it with an ``MTPHeads``
+module and keeps the module's own KV cache across rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from .tree import TreeBuffers, compile_buffers
+
+
+@dataclass(frozen=True)
+class DynamicTreeConfig:
+    nodes: int = 32  # kept nodes, root included (what one verify pass holds)
+    topk: int = 8  # children per expanded node, and frontier width
+    depth: int | None = None  # levels drafted; None: the heads' trained depth (config.num_heads)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"dynamic tree {name} must be a positive integer, got {value!r}")
+        if self.depth is not None and (not isinstance(self.depth, int) or self.depth < 1):
+            raise ValueError(f"dynamic tree depth must be a positive integer or None, got {self.depth!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "DynamicTreeConfig":
+        """'dynamic', 'dynamic:NODES' or 'dynamic:nodes=N,topk=K,depth=D'."""
+        if spec == "dynamic":
+            return cls()
+        if not spec.startswith("dynamic:"):
+            raise ValueError(f"not a dynamic tree spec: {spec!r}")
+        body = spec.split(":", 1)[1]
+        try:
+            if "=" not in body:
+                return cls(nodes=int(body))
+            kwargs = {}
+            for part in body.split(","):
+                key, value = part.split("=")
+                if key not in ("nodes", "topk", "depth"):
+                    raise ValueError(key)
+                kwargs[key] = int(value)
+            return cls(**kwargs)
+        except ValueError as err:
+            raise ValueError(f"bad dynamic tree spec {spec!r} ({err}): expected 'dynamic', 'dynamic:N' or "
+                             "'dynamic:nodes=N,topk=K,depth=D'") from None
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long, node 0 = root
+    buffers: TreeBuffers
+    scores: torch.Tensor  # [N] cumulative draft log-prob (0 for the root)
+
+
+@dataclass
+class Candidates:
+    """Every node drafted so far, by candidate index (creation order): level 1 first, then each expansion."""
+
+    tokens: list[int]
+    scores: list[float]  # cumulative draft log-prob of the path
+    parent: list[int]  # candidate index of the parent, -1 = the root
+    level: list[int]  # tree depth (1 = child of the root)
+
+
+def expand_tree(root: int, root_logprobs: torch.Tensor,
+                child_logprobs: Callable[[list[int], Candidates], torch.Tensor],
+                topk: int, depth: int, nodes: int) -> DraftTree:
+    """Grow a draft tree (see the module docstring).
+
+    root_logprobs [V]: draft log-probs of the root's children. ``child_logprobs(frontier, candidates)`` gets the
+    frontier's candidate indices and all candidates so far, and returns the frontier's children's log-probs
+    [len(frontier), V]. Returns the tree, nodes ordered by depth, then score.
+    """
+    top = root_logprobs.float().topk(min(topk, root_logprobs.numel()))
+    cands = Candidates(tokens=top.indices.tolist(), scores=top.values.tolist(), parent=[-1] * top.indices.numel(),
+                       level=[1] * top.indices.numel())
+    scores = cands.scores
+    frontier = list(range(len(scores)))
+    budget = nodes - 1
+    for d in range(2, depth + 1):
+        if budget <= 0 or not frontier:
+            break
+        floor = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else float("-inf")
+        frontier = [c for c in frontier if scores[c] > floor]  # only these can still add kept nodes
+        if not frontier:
+            break
+        logprobs = child_logprobs(frontier, cands).float()  # [F, V]
+        top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
+        child_scores = (torch.tensor([scores[c] for c in frontier])[:, None] + top.values).tolist()  # [F, k]
+        first = len(scores)
+        for row, c in enumerate(frontier):
+            cands.tokens.extend(top.indices[row].tolist())
+            scores.extend(child_scores[row])
+            cands.parent.extend([c] * top.indices.shape[1])
+            cands.level.extend([d] * top.indices.shape[1])
+        frontier = sorted(range(first, len(scores)), key=lambda c: -scores[c])[:topk]
+    kept = sorted(range(len(scores)), key=lambda c: (-scores[c], cands.level[c], c))[:budget]
+    kept.sort(key=lambda c: (cands.level[c], -scores[c], c))  # parents before children
+    node_of = {c: i + 1 for i, c in enumerate(kept)}
+    parents = [0] + [node_of[cands.parent[c]] if cands.parent[c] >= 0 else 0 for c in kept]
+    return DraftTree(tokens=torch.tensor([root] + [cands.tokens[c] for c in kept], dtype=torch.long),
+                     buffers=compile_buffers(parents), scores=torch.tensor([0.0] + [scores[c] for c in kept]))
+
+
+class MTPDrafter:
+    """Drafts dynamic trees with ``MTPHeads``; owns the module's KV cache (depth-1 entries of accepted anchors).
+
+    Use: ``start`` after the backbone's prefill, then per round ``propose`` -> (verify, accept, commit) ->
+    ``advance`` with the accepted nodes' hidden states and the emitted tokens.
+    """
+
+    def __init__(self, heads, model, config: DynamicTreeConfig):
+        self.heads, self.config = heads, config
+        self.embed = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        self.depth = config.depth or heads.config.num_heads
+        self.cache = DynamicCache()
+        self.next_position = 0  # position id of the next anchor
+        self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             visible: torch.Tensor) -> torch.Tensor:
+        """Module pass for n queries. visible [n, C+n] bool over (cache, queries). Returns states [n, H]."""
+        dtype = self.heads.fuse.weight.dtype
+        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype)
+        mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
+        return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache)[0]
+
+    def start(self, hidden: torch.Tensor, input_ids: torch.Tensor, root: int) -> None:
+        """After the prefill. hidden [P, H] backbone states of the prompt, input_ids [P], root = the first new token.
+
+        Like training (whose windows start K+1 positions before the answer), the module's context starts at anchor
+        max(0, P - 1 - K) rather than at the beginning of a long prompt.
+        """
+        prompt_len = input_ids.shape[0]
+        first = max(0, prompt_len - 1 - self.heads.config.num_heads)
+        self.cache = DynamicCache()
+        self.next_position = first
+        nxt = torch.cat([input_ids[first + 1:], torch.tensor([root], dtype=torch.long)])
+        self.advance(hidden[first:], nxt)
+
+    def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Add anchors: hidden [n, H] backbone states at the next n positions, next_tokens [n] the token after each."""
+        n, cached = hidden.shape[0], self.cached
+        visible = torch.ones(n, cached + n, dtype=torch.bool)
+        visible[:, cached:] = torch.ones(n, n, dtype=torch.bool).tril()
+        positions = torch.arange(self.next_position, self.next_position + n)
+        states = self._run(hidden, torch.as_tensor(next_tokens, dtype=torch.long), positions, visible)
+        self.next_position += n
+        self.last_state = states[-1]
+
+    def propose(self, root: int, max_depth: int) -> DraftTree:
+        """A dynamic tree below ``root`` at most ``max_depth`` deep. Leaves the module cache as it found it."""
+        depth = min(self.depth, max_depth)
+        if depth <= 0 or self.config.nodes <= 1:
+            return DraftTree(tokens=torch.tensor([root]), buffers=compile_buffers([0]), scores=torch.zeros(1))
+        cached = self.cached
+        anchor = self.next_position - 1  # the newest anchor's position: a depth-d node's query sits at anchor + d
+        entry: dict[int, int] = {}  # expanded candidate -> its module cache entry (counted from ``cached``)
+        output: dict[int, torch.Tensor] = {}  # expanded candidate -> output state of its query [H]
+
+        def child_logprobs(frontier: list[int], cands: Candidates) -> torch.Tensor:
+            entries, f = len(entry), len(frontier)
+            visible = torch.zeros(f, cached + entries + f, dtype=torch.bool)
+            visible[:, :cached] = True  # accepted anchors (including this chain's depth-1 entry)
+            for row, c in enumerate(frontier):
+                p = cands.parent[c]
+                while p >= 0:  # ancestors' entries: every ancestor of a frontier node was expanded
+                    visible[row, cached + entry[p]] = True
+                    p = cands.parent[p]
+                visible[row, cached + entries + row] = True
+            prev = torch.stack([output[cands.parent[c]] if cands.parent[c] >= 0 else self.last_state
+                                for c in frontier])  # [F, H]
+            toks = torch.tensor([cands.tokens[c] for c in frontier], dtype=torch.long)
+            positions = torch.tensor([anchor + cands.level[c] for c in frontier])
+            out = self._run(prev, toks, positions, visible)  # [F, H]
+            for row, c in enumerate(frontier):
+                entry[c] = entries + row
+                output[c] = out[row]
+            return torch.log_softmax(self.heads.logits(out, self.lm_head).float(), dim=-1)  # [F, V]
+
+        try:
+            root_logprobs = torch.log_softmax(self.heads.logits(self.last_state, self.lm_head).float(), dim=-1)
+            return expand_tree(root, root_logprobs, child_logprobs, self.config.topk, depth, self.config.nodes)
+        finally:
+            if self.cached > cached:  # drop the tree's entries (crop takes a negative count in transformers 5)
+                self.cache.crop(cached - self.cached)

@@ -1,0 +1,275 @@
+"""MTP (sequential) heads and dynamic draft trees: training unroll == cached inference, greedy identity with random
+and oracle MTP heads on tiny Llama / Qwen2, tree construction on hand-built log-probabilities, save/load, bad inputs."""
+
+import math
+
+import pytest
+import torch
+from conftest import greedy_reference, random_heads, tiny_model
+from transformers import DynamicCache, GenerationConfig
+
+from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MTPHeads
+from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.inference.dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
+from tokenmaxx.inference.sampling import build_warpers, target_probs
+from test_sampling import _chi2_pvalue, _exact_pair
+
+
+def random_mtp(model, seed: int = 0, num_heads: int = 3, scale: float = 0.3) -> MTPHeads:
+    heads = MTPHeads.for_backbone(model, num_heads=num_heads)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return heads.eval()
+
+
+class OracleMTP(MTPHeads):
+    """Real MTP module (cache, masks, positions all exercised) whose logits are rigged from a reference continuation.
+
+    A query at position q conditioned on token x predicts the token at q+2. If x is the reference token at q+1 (the
+    path so far is right), the true token is put at rank 0 (prob p_top) or rank 1 behind a decoy; otherwise noise.
+    """
+
+    def __init__(self, model, reference: torch.Tensor, p_top: float = 0.7, seed: int = 0):
+        base = MTPHeads.for_backbone(model, num_heads=3)
+        super().__init__(base.config)
+        self.reference = reference[0].tolist()
+        self.seed = seed
+        self.p_top = p_top
+        self._rows = []
+
+    def step(self, prev, tokens, embed, position_ids, attention_mask, cache=None):
+        self._rows = list(zip(position_ids[0].tolist(), tokens[0].tolist()))
+        return super().step(prev, tokens, embed, position_ids, attention_mask, cache)
+
+    def logits(self, states, lm_head):
+        vocab = lm_head.weight.shape[0]
+        rows = self._rows[-1:] if states.dim() == 1 else self._rows
+        out = torch.empty(len(rows), vocab)
+        for i, (q, tok) in enumerate(rows):
+            gen = torch.Generator().manual_seed(self.seed * 100003 + q * 1009 + tok)  # same query, same guesses
+            out[i] = torch.randn(vocab, generator=gen)
+            if q + 2 < len(self.reference) and self.reference[q + 1] == tok:
+                target = self.reference[q + 2]
+                if float(torch.rand((), generator=gen)) < self.p_top:
+                    out[i, target] = 12.0
+                else:
+                    out[i, int(torch.randint(vocab, (), generator=gen))] = 12.0
+                    out[i, target] = 11.0
+        return out[0] if states.dim() == 1 else out
+
+
+def _prompts(n, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        length = int(torch.randint(1, 20, (1,), generator=gen))
+        yield torch.randint(3, vocab, (1, length), generator=gen), int(torch.randint(1, 40, (1,), generator=gen))
+
+
+# ---- the module --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_unroll_equals_cached_tree_inference(arch):
+    """Depth d at anchor a in the training unroll == the same chain drafted through the KV cache with a tree mask
+    that also holds a sibling branch (which must not leak into the chain)."""
+    model = tiny_model(arch)
+    heads = random_mtp(model)
+    embed = model.get_input_embeddings()
+    ids = torch.randint(3, 96, (1, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+        unrolled = heads.unrolled_states(hidden, ids, embed)  # [3, 1, 14, H]
+        a = 6
+        cache = DynamicCache()
+        s1 = heads.step(hidden[:, : a + 1], ids[:, 1: a + 2], embed, torch.arange(a + 1)[None], _causal(0, a + 1),
+                        cache)
+        assert torch.allclose(heads.norm(s1[0, -1]), unrolled[0, 0, a], atol=1e-5)
+        # depth 2: two siblings (the true token and a decoy) in one call, each seeing the cache and itself only
+        toks = torch.tensor([[int(ids[0, a + 2]), 5]])
+        visible = torch.ones(2, a + 3, dtype=torch.bool)
+        visible[0, a + 2] = visible[1, a + 1] = False
+        s2 = heads.step(s1[:, -1:].expand(1, 2, -1), toks, embed, torch.tensor([[a + 1, a + 1]]), _bias(visible),
+                        cache)
+        assert torch.allclose(heads.norm(s2[0, 0]), unrolled[1, 0, a], atol=1e-5)
+        # depth 3 on the true branch: sees the cache, its depth-2 ancestor (entry a+1), not the decoy (a+2)
+        visible = torch.ones(1, a + 4, dtype=torch.bool)
+        visible[0, a + 2] = False
+        s3 = heads.step(s2[:, :1], ids[:, a + 3: a + 4], embed, torch.tensor([[a + 2]]), _bias(visible), cache)
+        assert torch.allclose(heads.norm(s3[0, 0]), unrolled[2, 0, a], atol=1e-5)
+
+
+def _bias(visible):
+    bias = torch.zeros(1, 1, *visible.shape)
+    return bias.masked_fill(~visible, torch.finfo(bias.dtype).min)
+
+
+def _causal(cached, n):
+    visible = torch.ones(n, cached + n, dtype=torch.bool)
+    visible[:, cached:] = torch.ones(n, n, dtype=torch.bool).tril()
+    return _bias(visible)
+
+
+def test_untrained_module_starts_from_the_backbone_guess():
+    """Zero-initialised residual branches + identity-dominated fuse: depth 1 of an untrained module is close to the
+    backbone's own next-token guess (a sane starting point for training)."""
+    model = tiny_model("llama")
+    heads = MTPHeads.for_backbone(model, num_heads=2)
+    assert all(float(layer.mlp.down_proj.weight.detach().abs().sum()) == 0 for layer in heads.layers)
+
+
+def test_save_load_round_trip_and_checks(tmp_path):
+    model = tiny_model("qwen2")
+    heads = random_mtp(model, seed=3)
+    heads.save_pretrained(tmp_path / "mtp")
+    loaded = DraftHeads.from_pretrained(tmp_path / "mtp")
+    assert isinstance(loaded, MTPHeads) and loaded.config.layer_config["model_type"] == "qwen2"
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    other = tiny_model("qwen2", hidden_size=48)
+    with pytest.raises(BackboneMismatchError, match="hidden size 32"):
+        loaded.check_backbone(other)
+    with pytest.raises(ValueError, match="layer_config"):
+        MTPHeads(HeadsConfig(kind="mtp", hidden_size=32, vocab_size=96))
+
+
+# ---- dynamic trees -------------------------------------------------------------------------------------------------
+def _lp(pairs, vocab=10):
+    """Log-probs [V] with the given {token: prob}; the rest share what is left."""
+    probs = torch.full((vocab,), 0.0)
+    for tok, p in pairs.items():
+        probs[tok] = p
+    rest = [t for t in range(vocab) if t not in pairs]
+    probs[rest] = (1 - sum(pairs.values())) / len(rest)
+    return probs.log()
+
+
+def test_expand_tree_keeps_the_most_probable_paths():
+    children = {  # (parent token) -> child distribution; node identity by token is enough here
+        1: _lp({4: 0.9, 5: 0.05}), 2: _lp({6: 0.5, 7: 0.4}), 4: _lp({8: 0.8, 9: 0.1}), 6: _lp({8: 0.6}),
+        7: _lp({9: 0.99}), 5: _lp({3: 0.9}),
+    }
+    calls = []
+
+    def child_logprobs(frontier, cands: Candidates):
+        calls.append([cands.tokens[c] for c in frontier])
+        return torch.stack([children.get(cands.tokens[c], _lp({})) for c in frontier])
+
+    root_lp = _lp({1: 0.6, 2: 0.3, 3: 0.05})
+    tree = expand_tree(0, root_lp, child_logprobs, topk=2, depth=3, nodes=6)
+    # path probabilities: 1 .6, 1-4 .54, 1-4-8 .432, 2 .3, 2-6 .15, 2-7 .12, 2-7-9 .119, 1-4-9 .054 ...
+    got = {tuple(_path(tree, i)): round(math.exp(float(tree.scores[i])), 3) for i in range(1, 6)}
+    assert got == {(1,): 0.6, (1, 4): 0.54, (2,): 0.3, (1, 4, 8): 0.432, (2, 6): 0.15}
+    assert tree.buffers.parents.tolist() == [0, 0, 0, 1, 2, 3]  # parents precede children, BFS order
+    assert calls[0] == [1, 2]  # frontier of level 2: the two best level-1 nodes
+    assert calls[1] == [4, 6]  # level 3: the two best level-2 nodes (1-4 .54, 2-6 .15 beat 2-7 .12)
+
+
+def _path(tree, node):
+    out = []
+    parents = tree.buffers.parents.tolist()
+    while node:
+        out.append(int(tree.tokens[node]))
+        node = parents[node]
+    return out[::-1]
+
+
+def test_expand_tree_stops_when_no_frontier_node_can_enter():
+    calls = []
+
+    def child_logprobs(frontier, cands):
+        calls.append(len(frontier))
+        return torch.stack([_lp({}) for _ in frontier])  # flat: every child is far less likely than level 1
+
+    tree = expand_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=5, nodes=3)
+    assert [_path(tree, i) for i in range(1, 3)] == [[1], [2]]
+    # only node 1 (0.5) could still have a child above the 2nd best score (0.4); its flat children cannot, so the
+    # next level is never drafted
+    assert calls == [1]
+    tree = expand_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=1, nodes=40)
+    assert tree.buffers.num_nodes == 3 and calls == [1]
+
+
+def test_dynamic_tree_specs():
+    assert DynamicTreeConfig.parse("dynamic:48") == DynamicTreeConfig(nodes=48)
+    assert DynamicTreeConfig.parse("dynamic:nodes=16,topk=4,depth=6") == DynamicTreeConfig(16, 4, 6)
+    for bad in ("dynamic:0", "dynamic:nodes=8,width=2", "dynamic:x"):
+        with pytest.raises(ValueError, match="dynamic"):
+            DynamicTreeConfig.parse(bad)
+
+
+# ---- greedy identity -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", ["dynamic", "dynamic:nodes=6,topk=3,depth=5", "dynamic:2"])
+def test_random_mtp_heads_match_greedy(model, tree):
+    gen = SpeculativeGenerator(model, random_mtp(model), tree=tree)
+    for input_ids, max_new in _prompts(6, model.config.vocab_size, seed=4):
+        expected = greedy_reference(model, input_ids, max_new)
+        out = gen.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("p_top", [1.0, 0.6])
+def test_oracle_mtp_heads_match_greedy_with_long_acceptance(model, p_top):
+    steps = tokens = 0
+    for i, (input_ids, max_new) in enumerate(_prompts(5, model.config.vocab_size, seed=5)):
+        max_new += 20
+        expected = greedy_reference(model, input_ids, max_new)
+        oracle = OracleMTP(model, greedy_reference(model, input_ids, max_new + 8), p_top=p_top, seed=i)
+        out = SpeculativeGenerator(model, oracle, tree="dynamic:nodes=16,topk=3,depth=4").generate(
+            input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist()
+        steps += out.stats.steps
+        tokens += out.stats.new_tokens - 1
+    assert tokens / steps > (4.0 if p_top == 1.0 else 2.5), tokens / steps
+
+
+def test_mtp_hybrid_and_sampling_run(model):
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    expected = greedy_reference(model, ids, 24)
+    gen = SpeculativeGenerator(model, random_mtp(model), draft="hybrid")
+    assert gen.generate(ids, max_new_tokens=24).sequences.tolist() == expected.tolist()
+    a = gen.generate(ids, max_new_tokens=16, do_sample=True, temperature=0.8, seed=7).new_tokens
+    b = gen.generate(ids, max_new_tokens=16, do_sample=True, temperature=0.8, seed=7).new_tokens
+    assert a == b and len(a) == 16
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["lossless", "teeth"])
+def test_mtp_sampling_second_token_follows_the_backbone(monkeypatch, broken):
+    """Seeded sampling through MTP dynamic trees: the 2nd generated token's frequencies match the backbone's exact
+    joint of the 2nd and 3rd tokens (chi-square, as test_sampling does for static trees), so the dynamic tree path
+    is lossless too; a deliberately broken acceptance rule fails."""
+    if broken:
+        import tokenmaxx.inference.generator as generator_module
+        from test_sampling import _broken_accept  # noqa: I001
+
+        monkeypatch.setattr(generator_module, "accept_sampling", _broken_accept)
+    model = tiny_model("llama", seed=21, vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # peaked (top token ~0.5): a wrong rule's bias on rejected drafts shows
+    model.generation_config.eos_token_id = None
+    prefix = torch.tensor([3, 4, 5])
+    # drafts = the greedy continuation (likely tokens, often rejected at temperature 1): where a wrong rule shows
+    oracle = OracleMTP(model, greedy_reference(model, prefix[None], 8), p_top=1.0)
+    gen = SpeculativeGenerator(model, oracle, tree="dynamic:nodes=8,topk=3,depth=3")
+    warpers = build_warpers(GenerationConfig(do_sample=True, temperature=1.0))
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        p1 = target_probs(model(prefix[None]).logits[0, -1], warpers)  # [V]
+    exact = sum(p1[a] * _exact_pair(model, torch.cat([prefix, torch.tensor([a])]), warpers) for a in range(vocab))
+    counts = torch.zeros(vocab * vocab)
+    for seed in range(1500):
+        new = gen.generate(prefix, max_new_tokens=3, do_sample=True, temperature=1.0, seed=seed).new_tokens
+        counts[new[1] * vocab + new[2]] += 1
+    pvalue = _chi2_pvalue(counts, exact.flatten())
+    assert (pvalue < 1e-3) if broken else (pvalue > 1e-3), pvalue
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------------------------
+def test_tree_kinds_must_match_head_kinds(model):
+    with pytest.raises(ValueError, match="sequential heads"):
+        SpeculativeGenerator(model, random_heads(model), tree="dynamic:16")
+    with pytest.raises(ValueError, match="dynamic trees"):
+        SpeculativeGenerator(model, random_mtp(model), tree="chain:3")
+    with pytest.raises(ValueError, match="nodes"):
+        SpeculativeGenerator(model, random_mtp(model), tree="dynamic:0")
