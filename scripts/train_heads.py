@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Train Medusa-style draft heads on a frozen backbone with DeepSpeed (CPU), then export them.
+"""Train draft heads (Medusa, or MTP with --kind mtp) on a frozen backbone with DeepSpeed (CPU), then export them.
 
 One process:
     python scripts/train_heads.py --data data/smollm2 --backbone smollm2-135m --output_dir runs/smollm2 \\
         --feature_cache runs/smollm2/features --max_steps 2000
+MTP heads (one decoder layer of the backbone's family, unrolled over --num_heads depths):
+    python scripts/train_heads.py --kind mtp --data data/smollm2 --output_dir runs/smollm2-mtp ...
 Two processes on one machine (data-parallel over gloo):
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 scripts/train_heads.py --data ... --output_dir ...
 DeepSpeed's launcher (same environment variables; its --local_rank argument is accepted and ignored):

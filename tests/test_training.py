@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -17,13 +18,13 @@ from conftest import tiny_model
 from datasets import Dataset
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.heads import DraftHeads, MedusaHeads, load_backbone
+from tokenmaxx.heads import DraftHeads, MedusaHeads, MTPHeads, load_backbone
 from tokenmaxx.inference import SpeculativeGenerator, Tree
 from tokenmaxx.training.batches import collate, load_data
 from tokenmaxx.training.checkpoints import CheckpointMismatchError, check_identity
 from tokenmaxx.training.ds_setup import DeepSpeedConfigError, resolve_ds_config
 from tokenmaxx.training.features import BackboneFeatures, FeatureCache
-from tokenmaxx.training.losses import HeadsObjective, shifted_targets, teacher_rows
+from tokenmaxx.training.losses import HeadsObjective, head_weights, shifted_targets, teacher_rows
 from tokenmaxx.training.metrics import RankCounts
 from tokenmaxx.training.train_config import TrainConfig
 from tokenmaxx.training.trainer import train
@@ -116,6 +117,50 @@ def test_objective_fused_matches_logits_path(loss):
     assert v1 > 0 and model.lm_head.weight.grad is None  # the shared lm_head stays frozen
     assert s1[3].tolist() == [8, 8, 8]  # (10 - 4) + (8 - 6) targets inside the answers, for every head
     assert (s1[0] > 0).all() and ((s1[1] > 0).all() if loss != "ce" else (s1[1] == 0).all())
+
+
+@pytest.mark.parametrize("loss", ["ce", "ce+kl"])
+def test_objective_mtp_scores_each_depth_of_the_unroll(loss):
+    model = tiny_model("llama")
+    lm_head, embed = model.lm_head, model.get_input_embeddings()
+    heads = MTPHeads.for_backbone(model, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():  # leave the identity start: o_proj / down_proj are zero-initialised
+            p.add_(torch.randn(p.shape) * 0.05)
+    objective = HeadsObjective(heads, loss=loss, head_decay=0.8)
+    ids = torch.randint(3, 96, (2, 10))
+    answer_start, lengths = torch.tensor([4, 6]), torch.tensor([10, 8])
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # [B, T, H]
+    results = []
+    for fused in (True, False):  # linear_cross_entropy on the selected states vs lm_head logits
+        objective.fused = fused
+        heads.zero_grad()
+        value, stats = objective(hidden, ids, answer_start, lengths, lm_head, embed=embed)
+        value.backward()
+        results.append((value.detach(), stats, [p.grad.clone() for p in heads.parameters()]))
+    (v1, s1, g1), (v2, s2, g2) = results
+    torch.testing.assert_close(v1, v2)
+    torch.testing.assert_close(s1, s2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert all(g.abs().sum() > 0 for g in g1)  # the loss reaches every weight (depth d reads depth d-1's output)
+    assert lm_head.weight.grad is None and embed.weight.grad is None  # backbone modules stay frozen
+    # Reference: the module's own logits of the whole unroll [D, B, T, V], scored where depth d = head k has a target.
+    with torch.no_grad():
+        logits = heads(hidden, lm_head, input_ids=ids, embed=embed)
+    targets, valid = shifted_targets(ids, answer_start, lengths, num_heads=3)  # [D, B, T]
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none")
+    ce = ce.view(valid.shape)
+    per_depth = torch.stack([ce[d][valid[d]].mean() for d in range(3)])  # [D]
+    torch.testing.assert_close(s1[0], per_depth)
+    assert s1[3].tolist() == [8, 8, 8]
+    if loss == "ce":
+        weights = torch.tensor(head_weights(3, 0.8))
+        torch.testing.assert_close(v1, (weights * per_depth).sum() / weights.sum())
+    else:
+        assert (s1[1] > 0).all()
+    with pytest.raises(ValueError, match="embed=model.get_input_embeddings"):
+        objective(hidden, ids, answer_start, lengths, lm_head)
 
 
 # ---- features and metrics ----------------------------------------------------------------------------------------
@@ -223,6 +268,43 @@ def test_resume_is_bit_identical_and_checks_identity(tmp_path, backbone_dir, dat
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(CheckpointMismatchError, match=r"another head shape \(num_heads: checkpoint 4, this run 3"):
         train(make_cfg(data_dir, tmp_path / "b", resume=True, num_heads=3), model=model)
+
+
+def test_train_mtp_heads_resume_and_export(tmp_path, backbone_dir, data_dir):
+    model, _ = load_backbone(str(backbone_dir))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mtp = dict(kind="mtp", feature_cache=str(tmp_path / "features"))  # one cache, built by the first run
+    straight = train(make_cfg(data_dir, tmp_path / "a", **mtp), model=model)
+    assert sum(straight.losses[-3:]) < 0.9 * sum(straight.losses[:3]), straight.losses  # the loss goes down
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # backbone bit-identical
+    assert len(straight.metrics["head_top1"]) == 4 and straight.metrics["eval_positions"] > 0  # held-out metrics
+    first = train(make_cfg(data_dir, tmp_path / "b", **mtp), model=model, stop_after=3)
+    resumed = train(make_cfg(data_dir, tmp_path / "b", resume=True, **mtp), model=model)
+    assert first.losses + resumed.losses == straight.losses
+    a, b = head_state(straight.export_dir), head_state(resumed.export_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    heads = DraftHeads.from_pretrained(resumed.export_dir)
+    assert isinstance(heads, MTPHeads) and heads.config.num_heads == 4 and heads.config.num_layers == 1
+    assert heads.config.layer_config["model_type"] == model.config.model_type == "llama"
+    assert heads.config.extra["training"]["kind"] == "mtp" and heads.config.backbone == str(backbone_dir)
+    with pytest.raises(CheckpointMismatchError, match=r"another head shape \(kind: checkpoint 'mtp', this run 'medus"):
+        train(make_cfg(data_dir, tmp_path / "b", resume=True), model=model)
+
+
+def _train_heads_main():
+    spec = importlib.util.spec_from_file_location("train_heads", REPO / "scripts" / "train_heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_kind_flag_is_checked(data_dir):
+    main = _train_heads_main()
+    with pytest.raises(ValueError, match=r"--kind must be a registered head kind, one of \[.*'mtp'.*\]; got 'bogus'"):
+        main(["--data", str(data_dir), "--kind", "bogus"])
+    with pytest.raises(ValueError, match="--kind mtp always projects with the backbone's frozen lm_head"):
+        main(["--data", str(data_dir), "--kind", "mtp", "--share_lm_head", "false"])
+    assert TrainConfig(data=str(data_dir), kind="mtp").kind == "mtp"
 
 
 def test_checkpoint_of_another_backbone_is_refused(tmp_path):

@@ -1,7 +1,8 @@
 """The heads' training objective: shifted self-distilled targets, per-head CE and/or KL, weights decaying with k.
 
 Head offset rule: head k (k = 1..K) reading the backbone's hidden state at position t targets the token at t+k+1
-(the backbone itself, reading t, predicts t+1). ``shifted_targets`` is the one place the rule is applied.
+(the backbone itself, reading t, predicts t+1). ``shifted_targets`` is the one place the rule is applied; MTP depth d
+at anchor t follows it as head k = d.
 
 A sequence is prompt + answer (the backbone's own answer); only targets inside the answer are trained. With
 ``loss="kl"`` head k at t is pulled towards the backbone's own next-token distribution at position t+k (which is the
@@ -11,6 +12,8 @@ Letters: B batch, T time, K heads, V vocabulary, H hidden size, n selected posit
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -86,12 +89,32 @@ def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, teacher: t
     return ce, kl, hit
 
 
-class HeadsObjective(nn.Module):
-    """What DeepSpeed wraps: the heads (the only parameters) and their loss. The frozen lm_head is passed per call,
-    never registered here, so DeepSpeed neither casts, broadcasts nor checkpoints any backbone weight.
+@dataclass
+class Selection:
+    """The positions of a batch where some head trains (n of them), with what they are scored against."""
 
-    Heads that share the backbone's lm_head and expose ``head_states(hidden) -> [K, ..., H]`` (MedusaHeads) are scored
-    through ``linear_cross_entropy`` without materialising [K, n, V] logits; other heads through their logits.
+    selected: torch.Tensor  # [B, T] bool: some head has a target here
+    targets: torch.Tensor  # [K, n] long (0 where not valid)
+    valid: torch.Tensor  # [K, n] bool
+    teacher: torch.Tensor | None  # [m, V] fp32 log-probs of the backbone's own distributions (KL losses), or None
+    row: torch.Tensor | None  # [K, n] index into teacher (-1 where not valid), or None
+
+
+class HeadsObjective(nn.Module):
+    """What DeepSpeed wraps: the heads (the only parameters) and their loss. The frozen lm_head and input embedding
+    are passed per call, never registered here, so DeepSpeed neither casts, broadcasts nor checkpoints any backbone
+    weight.
+
+    Two ways heads read the backbone:
+
+    - per position (MedusaHeads, ``head_states(hidden [n, H]) -> [K, n, H]``): the heads run on the selected
+      positions only;
+    - sequential (MTPHeads, ``unrolled_states(hidden [B, T, H], input_ids, embed) -> [D, B, T, H]``): the module
+      attends over the sequence and reads the tokens, so it runs over the whole [B, T] batch; then each depth's rows
+      at the selected positions are kept. Depth d obeys head k = d's offset rule.
+
+    Heads that share the backbone's lm_head are scored through ``linear_cross_entropy`` on these states without
+    materialising [K, n, V] logits; other heads through their logits.
     """
 
     def __init__(self, heads: nn.Module, loss: str = "ce", head_decay: float = 0.8):
@@ -99,44 +122,68 @@ class HeadsObjective(nn.Module):
         self.heads = heads
         self.loss_kind = loss
         self.weights = head_weights(heads.config.num_heads, head_decay)  # plain floats: not a checkpointed buffer
-        self.fused = heads.config.share_lm_head and callable(getattr(heads, "head_states", None))
+        self.sequential = callable(getattr(heads, "unrolled_states", None))
+        self.fused = heads.config.share_lm_head and (self.sequential or callable(getattr(heads, "head_states", None)))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
-                lengths: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, H] final-normed backbone states; input_ids [B, T]; answer_start, lengths [B].
+                lengths: torch.Tensor, lm_head: nn.Module,
+                embed: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, T, H] final-normed backbone states; input_ids [B, T]; answer_start, lengths [B]; embed: the
+        backbone's input embedding (sequential heads read tokens through it).
 
         Returns (weighted loss scalar, stats [len(STATS), K] detached: mean CE, mean KL, top-1 hits, target count).
         """
-        x, targets, valid, teacher, row = self.select(hidden, input_ids, answer_start, lengths, lm_head)
-        num_heads, n = targets.shape
-        safe = torch.where(valid, targets, 0).flatten()  # [K*n] (invalid rows get weight 0 below)
-        rows = None if row is None else row.clamp(min=0).flatten()
+        sel = self.select(hidden, input_ids, answer_start, lengths, lm_head)
+        num_heads, n = sel.targets.shape
+        safe = torch.where(sel.valid, sel.targets, 0).flatten()  # [K*n] (invalid rows get weight 0 below)
+        rows = None if sel.row is None else sel.row.clamp(min=0).flatten()
         if self.fused and getattr(lm_head, "bias", None) is None:
-            states = self.heads.head_states(x)  # [K, n, H]
-            ce, kl, hit = linear_cross_entropy(states.reshape(num_heads * n, -1), lm_head.weight, safe, teacher, rows)
+            states = self.head_states(hidden, input_ids, sel.selected, embed)  # [K, n, H]
+            ce, kl, hit = linear_cross_entropy(states.reshape(num_heads * n, -1), lm_head.weight, safe, sel.teacher,
+                                               rows)
         else:
-            logits = self.heads(x, lm_head)  # [K, n, V]
-            ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), safe, teacher, rows)
-        return self.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n), valid)
+            logits = self.head_logits(hidden, input_ids, sel.selected, lm_head, embed)  # [K, n, V]
+            ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), safe, sel.teacher, rows)
+        shape = (num_heads, n)
+        return self.loss(ce.view(shape), kl.view(shape), hit.view(shape), sel.valid)
+
+    def head_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, selected: torch.Tensor,
+                    embed: nn.Module | None) -> torch.Tensor:
+        """Every head's state before the vocabulary projection at the selected positions [K, n, H] (heads' dtype).
+
+        hidden [B, T, H]; input_ids [B, T]; selected [B, T] bool. Sequential heads run over all of [B, T] first.
+        """
+        dtype = next(self.heads.parameters()).dtype
+        if not self.sequential:
+            return self.heads.head_states(hidden[selected].to(dtype))
+        if embed is None:
+            raise ValueError(f"{self.heads.config.kind!r} heads read tokens: pass the backbone's input embedding as "
+                             "embed=model.get_input_embeddings()")
+        return self.heads.unrolled_states(hidden.to(dtype), input_ids, embed)[:, selected]  # final-normed
+
+    def head_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, selected: torch.Tensor, lm_head: nn.Module,
+                    embed: nn.Module | None) -> torch.Tensor:
+        """Every head's logits at the selected positions [K, n, V] (same arguments as ``head_states``)."""
+        if self.sequential:
+            return lm_head(self.head_states(hidden, input_ids, selected, embed))
+        dtype = next(self.heads.parameters()).dtype
+        return self.heads(hidden[selected].to(dtype), lm_head)
 
     def select(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
-               lengths: torch.Tensor, lm_head: nn.Module) -> tuple:
-        """The positions where some head trains, with their targets and KL teacher rows.
-
-        Returns x [n, H] (heads' dtype), targets [K, n], valid [K, n], teacher [m, V] fp32 log-probs or None
-        (the backbone's own distributions), row [K, n] index into teacher (-1 where not valid) or None.
-        """
+               lengths: torch.Tensor, lm_head: nn.Module) -> Selection:
+        """The positions where some head trains, with their targets and KL teacher rows (the backbone's own
+        distributions, through the frozen lm_head, for ``loss`` "kl" and "ce+kl")."""
         num_heads = len(self.weights)
         targets, valid = shifted_targets(input_ids, answer_start, lengths, num_heads)  # [K, B, T] x2
         selected = valid.any(0)  # [B, T]
-        dtype = next(self.heads.parameters()).dtype
         teacher = row = None
         if self.loss_kind != "ce":
+            dtype = next(self.heads.parameters()).dtype
             need, row = teacher_rows(valid)  # [B, T], [K, B, T]
             with torch.no_grad():
                 teacher = F.log_softmax(lm_head(hidden[need].to(dtype)).float(), dim=-1)  # [m, V]
             row = row[:, selected]  # [K, n]
-        return hidden[selected].to(dtype), targets[:, selected], valid[:, selected], teacher, row
+        return Selection(selected, targets[:, selected], valid[:, selected], teacher, row)
 
     def loss(self, ce: torch.Tensor, kl: torch.Tensor, hit: torch.Tensor,
              valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

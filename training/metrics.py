@@ -101,8 +101,9 @@ def _round(values: torch.Tensor) -> list[float]:
 
 @torch.no_grad()
 def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, micro_batch_size: int, rank: int,
-             world: int, all_reduce=None) -> dict:
-    """Held-out loss and accuracy metrics of ``objective.heads``; every rank evaluates its share, then all_reduce."""
+             world: int, all_reduce=None, embed=None) -> dict:
+    """Held-out loss and accuracy metrics of ``objective.heads``; every rank evaluates its share, then all_reduce.
+    ``embed``: the backbone's input embedding, for heads that read tokens (MTP)."""
     num_heads = objective.heads.config.num_heads
     counts = RankCounts(num_heads, tree)
     loss_sum = torch.zeros(2, dtype=torch.float64)  # [weighted loss * positions, positions]
@@ -111,12 +112,12 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
     for rows in eval_micro_batches(data.eval, rank, world, micro_batch_size):
         batch = collate(data, rows, num_heads)
         hidden = features.hidden(batch)  # [B, W, H]
-        x, targets, valid, teacher, row = objective.select(hidden, batch.input_ids, batch.answer_start,
-                                                           batch.lengths, lm_head)
-        logits = objective.heads(x, lm_head)  # [K, n, V]
+        sel = objective.select(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head)
+        logits = objective.head_logits(hidden, batch.input_ids, sel.selected, lm_head, embed)  # [K, n, V]
+        targets, valid = sel.targets, sel.valid  # [K, n]
         num_heads, n = targets.shape
         ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), torch.where(valid, targets, 0).flatten(),
-                                              teacher, None if row is None else row.clamp(min=0).flatten())
+                                           sel.teacher, None if sel.row is None else sel.row.clamp(min=0).flatten())
         loss, _ = objective.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n), valid)
         counts.add(target_ranks(logits, targets), valid)
         n = float(valid.any(0).sum())

@@ -6,10 +6,12 @@
 2. data          self-distilled examples, train / held-out split (``batches.load_data``)
 3. config        DeepSpeed JSON merged with the flags (``ds_setup.resolve_ds_config``)
 4. backbone      frozen, eval mode; never handed to DeepSpeed (its weights stay bit-identical)
-5. heads         ``MedusaHeads.for_backbone``; the objective module wraps them (``losses.HeadsObjective``); the
-                 checkpoint folder is checked against the run's identity before any expensive work
+5. heads         ``HEAD_KINDS[cfg.kind].for_backbone`` (medusa, mtp); the objective module wraps them
+                 (``losses.HeadsObjective``); the checkpoint folder is checked against the run's identity before any
+                 expensive work
 6. features      cached hidden states on disk (``--feature_cache``) or the backbone per batch
-7. engine        DeepSpeed over the heads' parameters only: torch AdamW, warm-up + cosine, accumulation, clipping
+7. engine        DeepSpeed over the heads' parameters only (the backbone's lm_head and input embedding are passed
+                 per call): torch AdamW, warm-up + cosine, accumulation, clipping
 8. checkpoints   resume (``--resume``) from the newest checkpoint: weights, optimizer, scheduler, RNG
 9. loop          optimizer steps; metrics.jsonl; checkpoints every ``save_every`` steps; held-out metrics
 10. export       fp32 master weights -> ``heads.save_pretrained(export_dir)`` with config.extra = provenance
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, MedusaHeads, backbone_identity, load_backbone
+from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, backbone_identity, load_backbone
 from tokenmaxx.inference.tree import parse_tree
 
 from . import checkpoints
@@ -139,9 +141,9 @@ def export_heads(heads, cfg: TrainConfig, extra: dict, rank: int) -> Path:
     return out
 
 
-def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list[int]], lm_head,
+def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list[int]], lm_head, embed,
              num_heads: int) -> tuple[torch.Tensor, float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches.
+    """One optimizer step over ``grad_accum`` micro-batches (``lm_head``, ``embed``: the frozen backbone's).
 
     Returns (sums [1 + len(STATS) * K + 1]: loss sum, per-head stats, trained positions; this rank's), feature
     seconds (backbone forward or cache read), total seconds.
@@ -154,7 +156,8 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
         t0 = time.perf_counter()
         hidden = features.hidden(batch)  # [B, W, H]
         feature_s += time.perf_counter() - t0
-        loss, stats = engine(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head=lm_head)
+        loss, stats = engine(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head=lm_head,
+                             embed=embed)
         engine.backward(loss)
         engine.step()
         _, valid = shifted_targets(batch.input_ids, batch.answer_start, batch.lengths, num_heads)  # [K, B, W]
@@ -196,10 +199,10 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     if model is None:  # 4. backbone
         model = load_frozen_backbone(cfg)
     check_frozen_backbone(model, cfg, data)
-    lm_head = model.get_output_embeddings()
+    lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
-    heads = MedusaHeads.for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                     share_lm_head=cfg.share_lm_head)
+    heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                                              share_lm_head=cfg.share_lm_head)
     tree = parse_tree(heads.config.tree, cfg.num_heads)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay)
     identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world)  # checked before any work
@@ -233,7 +236,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     saved_at = step if resumed else -1
     while step < cfg.max_steps:
         lr = engine.get_lr()[0]  # this step's learning rate (the scheduler moves on inside the step)
-        sums, feature_s, step_s = run_step(engine, features, data, next(order), lm_head, cfg.num_heads)
+        sums, feature_s, step_s = run_step(engine, features, data, next(order), lm_head, embed, cfg.num_heads)
         step += 1
         sums = _reduced(sums) if world > 1 else sums
         step_s = float(_reduced(torch.tensor([step_s]))[0]) / world if world > 1 else step_s
@@ -256,12 +259,12 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
             result.steps = step
             return result
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
-            logger.log({"split": "eval", "step": step, **_evaluate(objective, lm_head, features, data, tree, cfg,
-                                                                  rank, world)})
+            logger.log({"split": "eval", "step": step, **_evaluate(objective, lm_head, embed, features, data, tree,
+                                                                  cfg, rank, world)})
     bar.close()
     if saved_at != step:
         checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank)
-    result.metrics = _evaluate(objective, lm_head, features, data, tree, cfg, rank, world)
+    result.metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world)
     logger.log({"split": "eval", "step": step, **result.metrics})
     logger.close()
     result.steps = step
@@ -278,9 +281,9 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     return result
 
 
-def _evaluate(objective, lm_head, features, data, tree, cfg: TrainConfig, rank: int, world: int) -> dict:
+def _evaluate(objective, lm_head, embed, features, data, tree, cfg: TrainConfig, rank: int, world: int) -> dict:
     return evaluate(objective, lm_head, features, data, tree, cfg.micro_batch_size, rank, world,
-                    all_reduce=_all_reduce if world > 1 else None)
+                    all_reduce=_all_reduce if world > 1 else None, embed=embed)
 
 
 def _json(obj) -> str:
