@@ -7,27 +7,53 @@ from pathlib import Path
 PRETRAINED_DIR = Path(__file__).parent / "pretrained"
 
 
-def default_heads_path(backbone: str) -> Path | None:
-    """Folder of the shipped heads for a backbone alias, or None when none are shipped."""
-    path = PRETRAINED_DIR / backbone
-    return path if (path / "config.json").is_file() else None
+def default_heads_path(backbone: str, kind: str | None = None) -> Path | None:
+    """Folder of the shipped heads for a backbone alias (the default ones, or those of head ``kind``), or None.
+
+    The default heads live in ``pretrained/<alias>/``; other kinds shipped beside them in ``pretrained/<alias>-<kind>/``.
+    """
+    if kind is None:
+        path = PRETRAINED_DIR / backbone
+        return path if (path / "config.json").is_file() else None
+    return shipped_heads(backbone).get(kind)
 
 
-def resolve_heads(spec: str | None, model, backbone: str, fallback_untrained: bool = False):
-    """Heads for a command line's ``--heads``: a folder / Hub id, 'untrained' (fresh heads), or None for the heads
-    shipped for ``backbone`` (untrained ones, with a note on stderr, when ``fallback_untrained`` and none ship)."""
+def shipped_heads(backbone: str) -> dict[str, Path]:
+    """Head kind -> folder, for every set of heads shipped for ``backbone``."""
+    import json
+
+    found: dict[str, Path] = {}
+    for path in sorted(PRETRAINED_DIR.iterdir()):  # the alias folder sorts first: it wins for its own kind
+        config = path / "config.json"
+        if not config.is_file() or not (path.name == backbone or path.name.startswith(f"{backbone}-")):
+            continue
+        kind = json.loads(config.read_text()).get("kind", "medusa")
+        if (path.name == backbone or path.name == f"{backbone}-{kind}") and kind not in found:
+            found[kind] = path
+    return found
+
+
+def resolve_heads(spec: str | None, model, backbone: str, fallback_untrained: bool = False, kind: str | None = None):
+    """Heads for a command line's ``--heads``: a folder / Hub id, 'untrained' (fresh heads of ``kind``, default
+    medusa), or None for the heads shipped for ``backbone`` (of ``kind`` when given; untrained ones, with a note on
+    stderr, when ``fallback_untrained`` and none ship)."""
     import sys
 
-    from .medusa import MedusaHeads
-    from .modeling import DraftHeads
+    from .modeling import HEAD_KINDS, DraftHeads
 
+    fresh = HEAD_KINDS[kind or "medusa"]
     if spec == "untrained":
-        return MedusaHeads.for_backbone(model)
-    path = spec or default_heads_path(backbone)
+        return fresh.for_backbone(model)
+    path = spec or default_heads_path(backbone, kind)
     if path is None:
         if not fallback_untrained:
-            raise FileNotFoundError(f"no heads are shipped for {backbone!r}: pass --heads PATH_OR_REPO (or 'untrained')")
+            what = f"{kind} heads" if kind else "heads"
+            raise FileNotFoundError(f"no {what} are shipped for {backbone!r}: pass a heads folder / Hub id "
+                                    "(or 'untrained')")
         print(f"note: no trained heads are shipped for {backbone!r}; using untrained heads (expect no speedup). "
               "Pass --heads PATH_OR_REPO.", file=sys.stderr)
-        return MedusaHeads.for_backbone(model)
-    return DraftHeads.from_pretrained(path)
+        return fresh.for_backbone(model)
+    heads = DraftHeads.from_pretrained(path)
+    if kind is not None and heads.config.kind != kind:
+        raise ValueError(f"heads {path} are of kind {heads.config.kind!r}, expected {kind!r}")
+    return heads

@@ -22,6 +22,7 @@ from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info
                                            summarize, tokenmaxx_method)
 
 REPO = Path(__file__).resolve().parents[1]
+TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
 DEFAULT_PROMPTS = REPO.parent / "shared" / "bench" / "spec_bench_dev.jsonl"
 
 
@@ -29,14 +30,19 @@ DEFAULT_PROMPTS = REPO.parent / "shared" / "bench" / "spec_bench_dev.jsonl"
 class BenchArgs:
     backbone: str = field(default=DEFAULT_BACKBONE, metadata={"help": "backbone alias, folder or Hub id"})
     heads: str | None = field(default=None, metadata={
-        "help": "heads folder or Hub id (default: the shipped heads; 'untrained' for fresh heads)"})
+        "help": "heads of the tokenmaxx/hybrid methods: folder or Hub id (default: the shipped heads; 'untrained')"})
+    medusa_heads: str | None = field(default=None, metadata={
+        "help": "heads of the medusa[_hybrid] methods (default: the shipped Medusa heads)"})
+    mtp_heads: str | None = field(default=None, metadata={
+        "help": "heads of the mtp[_hybrid] methods (default: the shipped MTP heads)"})
     dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
     methods: str = field(default="baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:4", metadata={
         "help": "comma list of: baseline, prompt_lookup, assisted, tokenmaxx[:<tree>] (drafted as --draft says), "
                 "hybrid[:<tree>] (heads + lookup branches), lookup (our loop, lookup branches only); "
-                "tree = default | chain:K | auto | JSON file"})
+                "medusa[:<tree>], mtp[:<tree>], medusa_hybrid, mtp_hybrid (the same with heads of that kind, to "
+                "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N] (MTP)"})
     draft: str = field(default="heads", metadata={"help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
     prompts: str = field(default=str(DEFAULT_PROMPTS), metadata={
         "help": "Spec-Bench-style jsonl (question_id, category, turns)"})
@@ -58,7 +64,7 @@ class BenchArgs:
 def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
     """name -> callable(input_ids, max_new_tokens) -> new tokens; plus notes (skipped methods, choices)."""
     methods, notes = {"baseline": hf_method(model)}, {}
-    heads = None
+    heads = {}  # (kind, spec) -> loaded heads, shared by the methods that use them
     for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
         if name == "baseline":
             continue
@@ -76,18 +82,21 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                 notes["assisted"] = f"skipped: draft model {draft} is not installed ({err})"
                 continue
             methods["assisted"] = hf_method(model, assistant_model=draft_model)
-        elif name.split(":")[0] in ("tokenmaxx", "hybrid", "lookup"):
-            kind = name.split(":")[0]
-            draft = {"tokenmaxx": args.draft, "hybrid": "hybrid", "lookup": "lookup"}[kind]
-            if heads is None and draft != "lookup":
-                heads = resolve_heads(args.heads, model, args.backbone)
-            gen = SpeculativeGenerator(model, heads if draft != "lookup" else None, tokenizer=tokenizer,
+        elif name.split(":")[0] in TOKENMAXX_METHODS:
+            prefix = name.split(":")[0]
+            draft = "lookup" if prefix == "lookup" else "hybrid" if prefix.endswith("hybrid") else \
+                args.draft if prefix == "tokenmaxx" else "heads"
+            kind = prefix.split("_")[0] if prefix.startswith(("medusa", "mtp")) else None
+            spec = {None: args.heads, "medusa": args.medusa_heads, "mtp": args.mtp_heads}[kind]
+            if (kind, spec) not in heads and draft != "lookup":
+                heads[kind, spec] = resolve_heads(spec, model, args.backbone, kind=kind)
+            gen = SpeculativeGenerator(model, heads[kind, spec] if draft != "lookup" else None, tokenizer=tokenizer,
                                        tree=name.split(":", 1)[1] if ":" in name else None, draft=draft)
-            notes[f"{name} tree"] = [list(p) for p in gen.tree.paths]
+            notes[f"{name} tree"] = asdict(gen.dynamic) if gen.dynamic else [list(p) for p in gen.tree.paths]
             methods[name] = tokenmaxx_method(gen)
         else:
-            raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, "
-                             "tokenmaxx[:<tree>], hybrid[:<tree>], lookup")
+            raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, or one of "
+                             f"{TOKENMAXX_METHODS} (optionally :<tree>)")
     return methods, notes
 
 

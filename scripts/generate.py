@@ -27,6 +27,8 @@ class GenerateArgs:
     heads: str | None = field(default=None, metadata={
         "help": "heads folder or Hub id; default: the heads shipped for the backbone; 'untrained' builds fresh "
                 "heads (each guesses the backbone's own next token again: a weak baseline)"})
+    kind: str | None = field(default=None, metadata={
+        "help": "medusa | mtp: use the shipped heads of this kind (or fresh ones of it with --heads untrained)"})
     adapter: str | None = field(default=None, metadata={"help": "PEFT adapter merged into the backbone"})
     prompt: str = field(default=DEFAULT_PROMPT, metadata={"help": "the user message (or raw text with --raw)"})
     raw: bool = field(default=False, metadata={"help": "feed the prompt as raw text, without the chat template"})
@@ -34,8 +36,9 @@ class GenerateArgs:
     dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     tree: str | None = field(default=None, metadata={
-        "help": "draft tree: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list of paths or a JSON "
-                "file; default: the heads' own"})
+        "help": "draft tree: Medusa heads: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list "
+                "of paths or a JSON file; MTP heads: 'dynamic', 'dynamic:N' (N nodes) or "
+                "'dynamic:nodes=N,topk=K,depth=D'; default: the heads' own"})
     draft: str = field(default="heads", metadata={
         "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree)"})
     do_sample: bool = field(default=False, metadata={
@@ -71,8 +74,9 @@ def main(argv=None) -> int:
     (args,) = HfArgumentParser(GenerateArgs).parse_args_into_dataclasses(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter)
-    heads = resolve_heads(args.heads, model, args.backbone, fallback_untrained=True)
+    heads = resolve_heads(args.heads, model, args.backbone, fallback_untrained=True, kind=args.kind)
     gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft)
+    tree_desc = f"dynamic tree {gen.dynamic.nodes} nodes" if gen.dynamic else f"tree {len(gen.tree)} nodes"
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)
 
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
                 print(out.text)
             s = out.stats
             print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, mean tau {s.mean_tau:.2f} "
-                  f"over {s.steps} steps, tree {len(gen.tree)} nodes]", file=sys.stderr)
+                  f"over {s.steps} steps, {tree_desc}]", file=sys.stderr)
         return 0
 
     if args.do_sample:
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
     s = spec.stats
     step_overhead = {k: v / s.steps for k, v in s.phase_seconds.items()} if s.steps else {}
     result = {
-        "backbone": args.backbone, "dtype": args.dtype, "threads": args.threads, "tree_nodes": len(gen.tree),
+        "backbone": args.backbone, "dtype": args.dtype, "threads": args.threads, "tree": tree_desc,
         "prompt_tokens": input_ids.shape[1], "identical": identical,
         "speculative": {"tokens": s.new_tokens, "seconds": best_spec, "tokens_per_s": s.new_tokens / best_spec,
                         "mean_tau": s.mean_tau, "steps": s.steps, "seconds_per_step": step_overhead,
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
     else:
         print(spec.text)
         print(f"\nspeculative: {result['speculative']['tokens_per_s']:.1f} tok/s (mean tau {s.mean_tau:.2f}, "
-              f"{s.steps} steps, tree {len(gen.tree)} nodes)")
+              f"{s.steps} steps, {tree_desc})")
         print(f"plain:       {result['plain']['tokens_per_s']:.1f} tok/s")
         print(f"speedup:     {result['speedup']:.2f}x   identical tokens: {identical}")
         per_step = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in step_overhead.items())

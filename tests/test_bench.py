@@ -26,28 +26,35 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
         {"question_id": 1, "category": "qa", "turns": ["what is two plus two?"]},
         {"question_id": 2, "category": "writing", "turns": ["write a line about the sea."]},
     ]))
+    from test_mtp import random_mtp
+
+    random_mtp(model).save_pretrained(tmp_path / "mtp")
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench.py"), "--backbone", str(tmp_path / "tiny"), "--heads",
          "untrained", "--dtype", "float32", "--threads", "1", "--max_new_tokens", "12", "--prompts", str(prompts),
-         "--methods", "baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:2,hybrid,lookup", "--lookup_tokens", "2,4",
+         "--methods", "baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:2,hybrid,lookup,medusa,mtp,"
+         "mtp:dynamic:6,mtp_hybrid", "--medusa_heads", "untrained", "--mtp_heads", str(tmp_path / "mtp"),
+         "--lookup_tokens", "2,4",
          "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.with_suffix(".json").read_text())
     assert set(report) == {"config", "machine", "methods"}
-    assert set(report["methods"]) == {"baseline", "prompt_lookup", "tokenmaxx", "tokenmaxx:chain:2", "hybrid", "lookup"}
+    ours = ("tokenmaxx", "tokenmaxx:chain:2", "hybrid", "lookup", "medusa", "mtp", "mtp:dynamic:6", "mtp_hybrid")
+    assert set(report["methods"]) == {"baseline", "prompt_lookup", *ours}
+    assert report["config"]["notes"]["mtp:dynamic:6 tree"] == {"nodes": 6, "topk": 8, "depth": None}
     assert "skipped" in report["config"]["notes"]["assisted"]
     keys = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}
     for name, m in report["methods"].items():
         assert set(m) == {"overall", "categories"}
-        extra = {"accepted_share"} if name in ("tokenmaxx", "tokenmaxx:chain:2", "hybrid", "lookup") else set()
+        extra = {"accepted_share"} if name in ours else set()
         assert set(m["overall"]) == keys | extra
         assert set(m["categories"]) == {"qa", "mt_bench"}
         for c in m["categories"].values():
             assert set(c) == keys | extra
     base = report["methods"]["baseline"]["overall"]
     assert base["speedup"] == 1.0 and base["identical_rate"] == 1.0 and base["tau"] == 1.0
-    for name in ("tokenmaxx", "hybrid", "lookup"):
+    for name in ours:
         assert report["methods"][name]["overall"]["identical_rate"] == 1.0  # fp32: exact
     assert out.with_suffix(".md").read_text().startswith("| method |")
     assert out.with_suffix(".png").stat().st_size > 1000
