@@ -87,7 +87,14 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.dynamic: DynamicTreeConfig | None = None  # sequential (mtp) heads draft dynamic trees
         if callable(getattr(heads, "step", None)):
-            self.dynamic = _dynamic_config(tree if tree is not None else heads.config.extra.get("dynamic_tree"))
+            if tree == "auto":  # the node budget with the best tokens/s on this machine (cached)
+                from .tree_search import auto_dynamic
+
+                if tokenizer is None:
+                    raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
+                self.dynamic = auto_dynamic(model, self.heads, tokenizer)
+            else:
+                self.dynamic = _dynamic_config(tree if tree is not None else heads.config.extra.get("dynamic_tree"))
             self.tree = chain(0)
         elif tree == "auto":  # calibrated for this machine (cached per backbone + heads + machine)
             from .tree_search import auto_tree

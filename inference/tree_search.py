@@ -213,3 +213,76 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
                                "table": table}, indent=1))
     tmp.replace(path)
     return tree
+
+
+# ---- dynamic trees (sequential heads): the node budget ------------------------------------------------------------
+DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
+
+
+@torch.inference_mode()
+def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = DYNAMIC_BUDGETS,
+                      prompts: Sequence[str] | None = None, max_new_tokens: int = 128) -> tuple[dict, float]:
+    """Expected tau of each node budget, and seconds per draft, along the backbone's own greedy continuations.
+
+    At every position of a continuation the drafter grows one tree with the largest budget; the tree of budget n is
+    its n-1 best nodes by score (what ``expand_tree`` keeps), and its accepted length is that of the deepest node in
+    them whose path equals the continuation. Returns ({budget: mean tau}, mean propose seconds).
+    """
+    from .dynamic_tree import DynamicTreeConfig, MTPDrafter
+
+    drafter = MTPDrafter(heads, model, DynamicTreeConfig(nodes=max(budgets), topk=config.topk, depth=config.depth))
+    totals = dict.fromkeys(budgets, 0.0)
+    positions, propose_s = 0, 0.0
+    for text in prompts or CALIBRATION_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")["input_ids"]
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False)[0]  # [T]
+        hidden = model(seq[None], output_hidden_states=True).hidden_states[-1][0]  # [T, H]
+        start = ids.shape[1]
+        drafter.start(hidden[:start], seq[:start], int(seq[start]))
+        for t in range(start, seq.numel() - 1):  # root = seq[t]
+            t0 = time.perf_counter()
+            tree = drafter.propose(int(seq[t]), seq.numel() - 1 - t)
+            propose_s += time.perf_counter() - t0
+            depths, parents = tree.buffers.depths.tolist(), tree.buffers.parents.tolist()
+            tokens = tree.tokens.tolist()
+            correct = [True] + [False] * (len(tokens) - 1)
+            for i in range(1, len(tokens)):
+                correct[i] = correct[parents[i]] and tokens[i] == int(seq[t + depths[i]])
+            by_score = sorted(range(1, len(tokens)), key=lambda i: (-float(tree.scores[i]), depths[i], i))
+            for n in budgets:
+                totals[n] += 1 + max((depths[i] for i in by_score[: n - 1] if correct[i]), default=0)
+            positions += 1
+            drafter.advance(hidden[t: t + 1], seq[t + 1: t + 2])
+    return {n: totals[n] / max(positions, 1) for n in budgets}, propose_s / max(positions, 1)
+
+
+def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None = None, refresh: bool = False):
+    """The dynamic-tree node budget with the best expected tokens/s on this machine (cached like ``auto_tree``):
+    argmax over budgets n of tau(n) / (verify latency(n) + draft and loop overhead)."""
+    from tokenmaxx.heads import cache_dir
+
+    from .dynamic_tree import DynamicTreeConfig
+
+    config = config or DynamicTreeConfig()
+    machine = machine_fingerprint(model)
+    key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth]})
+    path = (cache_root or cache_dir() / "calibration") / f"{key}.json"
+    if path.is_file() and not refresh:
+        return DynamicTreeConfig(**json.loads(path.read_text())["dynamic_tree"])
+    taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
+    latency = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
+    loop = measure_overhead(model, heads, tokenizer, DynamicTreeConfig(nodes=2, topk=config.topk,
+                                                                       depth=config.depth))
+    table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop,
+              "tokens_per_s": tau / (latency[n] + loop)} for n, tau in sorted(taus.items())]
+    best = max(table, key=lambda row: row["tokens_per_s"])
+    chosen = DynamicTreeConfig(nodes=best["nodes"], topk=config.topk, depth=config.depth)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"dynamic_tree": {"nodes": chosen.nodes, "topk": chosen.topk, "depth": chosen.depth},
+                               "machine": machine, "latency": latency, "overhead": loop, "propose_seconds": propose_s,
+                               "table": table}, indent=1))
+    tmp.replace(path)
+    return chosen

@@ -1,6 +1,7 @@
 """MTP (sequential) heads and dynamic draft trees: training unroll == cached inference, greedy identity with random
 and oracle MTP heads on tiny Llama / Qwen2, tree construction on hand-built log-probabilities, save/load, bad inputs."""
 
+import json
 import math
 
 import pytest
@@ -273,3 +274,34 @@ def test_tree_kinds_must_match_head_kinds(model):
         SpeculativeGenerator(model, random_mtp(model), tree="chain:3")
     with pytest.raises(ValueError, match="nodes"):
         SpeculativeGenerator(model, random_mtp(model), tree="dynamic:0")
+
+
+def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypatch):
+    """tree='auto' with MTP heads: expected tau per node budget along the backbone's own continuation (an oracle
+    that always drafts the truth gets tau = 1 + depth for every budget that holds a full chain), the budget with the
+    best tokens/s is chosen, cached per machine, and read back without calibrating again."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from tokenmaxx.inference import tree_search
+
+    model, tok = tiny_model("llama", seed=12), tiny_tokenizer()
+    model.generation_config.eos_token_id = None
+    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
+    monkeypatch.setattr(tree_search, "CALIBRATION_PROMPTS", ("count to ten.",))
+    ids = tok.apply_chat_template([{"role": "user", "content": "count to ten."}], add_generation_prompt=True,
+                                  return_dict=True, return_tensors="pt")["input_ids"]
+    oracle = OracleMTP(model, greedy_reference(model, ids, 140), p_top=1.0)
+    taus, propose_s = tree_search.calibrate_dynamic(model, oracle, tok, DynamicTreeConfig(topk=2, depth=3),
+                                                     budgets=(2, 4, 8), max_new_tokens=30)
+    assert taus[2] == pytest.approx(2.0, abs=0.05)  # one node: the right first guess, every time
+    assert taus[4] == pytest.approx(4.0, abs=0.15)  # a full depth-3 chain fits (minus the last positions)
+    assert propose_s > 0
+    chosen = tree_search.auto_dynamic(model, oracle, tok)
+    files = list((tmp_path / "calibration").glob("*.json"))
+    assert len(files) == 1
+    record = json.loads(files[0].read_text())
+    assert record["dynamic_tree"]["nodes"] == chosen.nodes and {r["nodes"] for r in record["table"]} == set(
+        tree_search.DYNAMIC_BUDGETS)
+    monkeypatch.setattr(tree_search, "calibrate_dynamic", lambda *a, **k: pytest.fail("calibrated twice"))
+    gen = SpeculativeGenerator(model, oracle, tokenizer=tok, tree="auto")
+    assert gen.dynamic == chosen
