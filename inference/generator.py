@@ -14,7 +14,8 @@ from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_h
 
 from .decoding import accept_greedy, commit, propose, verify
 from .dynamic_tree import DynamicTreeConfig, MTPDrafter
-from .lookup import DRAFT_MODES, LOOKUP, SOURCE_NAMES, LookupConfig, NgramIndex, merge_branch
+from .lookup import DRAFT_MODES, LOOKUP, SOURCE_NAMES, LookupConfig, LookupReliability, NgramIndex, merge_branch, \
+    share_budget
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 from .tree import Tree, chain, parse_tree
@@ -234,6 +235,7 @@ class SpeculativeGenerator:
             index = NgramIndex(self.lookup.max_ngram)
             index.extend(input_ids[0].tolist() + [root])
             lookup_len = self.lookup.start_len
+            reliability = LookupReliability()
         while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
             t0 = time.perf_counter()
@@ -241,13 +243,19 @@ class SpeculativeGenerator:
             if drafter is not None:
                 draft_tree = drafter.propose(root, room)
                 tokens, buffers = draft_tree.tokens, draft_tree.buffers  # [N]
+                values = draft_tree.scores.exp() if self.draft == "hybrid" else None  # draft path probabilities
             else:
-                buffers = self.tree.truncate(room).buffers
+                tree = self.tree.truncate(room)
+                buffers = tree.buffers
                 tokens = propose(self.heads, lm_head, hidden, root, buffers)  # [N]
+                values = _static_values(tree) if self.draft == "hybrid" else None
             sources = None
             if use_lookup:
                 branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
-                if branch:
+                if branch and self.draft == "hybrid":  # lookup and heads nodes share the node budget
+                    budget = max(self.dynamic.nodes if self.dynamic else len(self.tree), len(branch) + 1)
+                    tokens, buffers, sources = share_budget(tokens, buffers, values, branch, reliability.p, budget)
+                elif branch:
                     tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
             t1 = time.perf_counter()
             verified = verify(self.model, cache, tokens, buffers, prefix_len)
@@ -278,7 +286,11 @@ class SpeculativeGenerator:
                 for src in path_sources:
                     stats.accepted_by_source[SOURCE_NAMES[src]] += 1
                 from_lookup = sum(1 for src in path_sources if src & LOOKUP)
-                lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)
+                if self.draft == "hybrid":
+                    reliability.update(int(((sources & LOOKUP) > 0).sum()), from_lookup)  # kept lookup nodes
+                    lookup_len = self.lookup.max_len  # the shared budget decides how much of the branch is kept
+                else:
+                    lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)
             if use_lookup:
                 index.extend(emitted)
             new_tokens.extend(emitted)
@@ -292,6 +304,22 @@ class SpeculativeGenerator:
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
+
+
+@functools.lru_cache(maxsize=64)
+def _static_values(tree: Tree) -> torch.Tensor:
+    """Estimated acceptance probability of each node of a static tree (root first): the product of typical per-rank
+    head accuracies along its path (``tree.TYPICAL_RANK_ACCURACY``, what the default tree is grown from)."""
+    from .tree import TYPICAL_RANK_ACCURACY
+
+    values = [1.0]
+    for path in tree.paths:
+        v = 1.0
+        for k, r in enumerate(path):
+            table = TYPICAL_RANK_ACCURACY[min(k, len(TYPICAL_RANK_ACCURACY) - 1)]
+            v *= table[r] if r < len(table) else table[-1] / (r - len(table) + 2)
+        values.append(v)
+    return torch.tensor(values)
 
 
 def _dynamic_config(spec) -> DynamicTreeConfig:

@@ -104,3 +104,49 @@ def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) 
     else:
         out_buffers = compile_buffers(parents)
     return torch.tensor(toks), out_buffers, torch.tensor(sources)
+
+
+@dataclass
+class LookupReliability:
+    """How often lookup tokens are accepted lately: a decayed Beta estimate of P(the next lookup token is right | the
+    ones before it were). Each round with a branch adds its accepted lookup tokens as successes and, when the branch
+    was cut short, one failure; old rounds fade by ``decay``."""
+
+    decay: float = 0.8
+    successes: float = 1.0
+    failures: float = 1.0
+
+    @property
+    def p(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + (1 if accepted < proposed else 0)
+
+
+def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branch: list[int], p_lookup: float,
+                 budget: int) -> tuple[torch.Tensor, TreeBuffers, torch.Tensor]:
+    """Merge a lookup branch into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
+
+    values [N]: each heads node's estimated probability that its path is accepted (root: 1). A lookup node at depth j
+    is worth p_lookup**j; a node both proposed is worth the larger. Values never grow along a path, so the kept set
+    (best first, shallower first on ties) holds each kept node's parent. Returns tokens, buffers, sources (HEADS /
+    LOOKUP bits) of the kept tree.
+    """
+    merged, merged_buffers, sources = merge_branch(tokens, buffers, branch)
+    n_heads = tokens.numel()
+    depths = merged_buffers.depths.float()
+    worth = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads)])
+    from_lookup = (sources & LOOKUP) > 0
+    worth = torch.where(from_lookup, torch.maximum(worth, p_lookup ** depths), worth)
+    worth[0] = float("inf")  # the root always stays
+    if merged.numel() <= budget:
+        return merged, merged_buffers, sources
+    order = sorted(range(merged.numel()), key=lambda i: (-float(worth[i]), int(depths[i]), i))[:budget]
+    keep = sorted(order)  # original order: parents before children
+    new_index = {old: new for new, old in enumerate(keep)}
+    parents = merged_buffers.parents.tolist()
+    out_buffers = compile_buffers([0] + [new_index[parents[i]] for i in keep[1:]])
+    keep_t = torch.tensor(keep)
+    return merged[keep_t], out_buffers, sources[keep_t]

@@ -117,3 +117,33 @@ def test_branch_length_rule():
     assert cfg.next_len(16, proposed=16, accepted=16) == 16
     assert cfg.next_len(8, proposed=8, accepted=3) == 7
     assert cfg.next_len(2, proposed=2, accepted=0) == 2
+
+
+def test_share_budget_gives_nodes_to_the_likelier_source():
+    from tokenmaxx.inference.lookup import LookupReliability, share_budget
+
+    # heads tree (token: value): root 9 -> 10 (0.5) -> 13 (0.3); root -> 12 (0.2); root -> 11 (0.05)
+    tree = Tree([(0,), (0, 0), (1,), (2,)])
+    tokens = torch.tensor([9, 10, 12, 11, 13])  # node order: (0,), (1,), (2,), (0, 0)
+    values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
+    branch = [20, 21, 22]
+    # reliable lookup: 0.9, 0.81, 0.73 beat every heads node but a (0.5): budget 5 keeps root, 3 lookup nodes, a
+    out, buffers, sources = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.9, budget=5)
+    assert sorted(out.tolist()) == [9, 10, 20, 21, 22]
+    assert (sources == LOOKUP).sum() == 3 and buffers.num_nodes == 5
+    # unreliable lookup: 0.1, 0.01, ...: only its first node beats the weakest heads node (11: 0.05)
+    out, buffers, sources = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.1, budget=5)
+    assert sorted(out.tolist()) == [9, 10, 12, 13, 20]
+    parents = buffers.parents.tolist()
+    assert all(parents[i] < i for i in range(1, len(parents)))  # prefix-closed, parents first
+    # a branch that starts with a heads token shares that node (worth the larger value) and continues below it
+    out, buffers, sources = share_budget(tokens, tree.buffers, values, [10, 12, 30], p_lookup=0.9, budget=4)
+    assert out.tolist() == [9, 10, 12, 30] and sources.tolist() == [HEADS, HEADS | LOOKUP, LOOKUP, LOOKUP]
+    # the reliability estimate moves with what was accepted
+    rel = LookupReliability()
+    for _ in range(5):
+        rel.update(proposed=4, accepted=4)
+    high = rel.p
+    for _ in range(10):
+        rel.update(proposed=4, accepted=0)
+    assert high > 0.9 and rel.p < 0.3
