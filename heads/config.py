@@ -24,6 +24,9 @@ class HeadsConfig:
     backbone_revision: str | None = field(default=None, metadata={"help": "backbone revision (GGUF sha256 or commit)"})
     adapter: str | None = field(default=None, metadata={"help": "PEFT adapter merged into the backbone, if any"})
     adapter_revision: str | None = field(default=None, metadata={"help": "revision of that adapter"})
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "help": "drafting projects onto this many frequent tokens (weights buffer 'draft_vocab') plus the prompt's "
+                "tokens instead of the whole vocabulary: far cheaper guesses; None = the whole vocabulary"})
     layer_config: dict[str, Any] | None = field(default=None, metadata={
         "help": "kind 'mtp': the backbone config (model_type and sizes) its decoder layers are built from"})
     tree: list[list[int]] | None = field(default=None, metadata={
@@ -40,6 +43,10 @@ class HeadsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"HeadsConfig.{name} must be a positive integer, got {value!r}")
+        if self.draft_vocab_size is not None and (
+                not isinstance(self.draft_vocab_size, int) or not 0 < self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"HeadsConfig.draft_vocab_size must be None or an integer in [1, vocab_size "
+                             f"{self.vocab_size}], got {self.draft_vocab_size!r}")
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
             raise ValueError(f"HeadsConfig.num_layers must be an integer >= 0, got {self.num_layers!r}")
         if self.tree is not None:

@@ -52,6 +52,25 @@ class DraftHeads(nn.Module):
     def __init__(self, config: HeadsConfig):
         super().__init__()
         self.config = config
+        # [Vd] long token ids drafting projects onto (None: all); saved with the weights when set
+        self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
+
+    # ---- draft vocabulary ---------------------------------------------------------------------------------------
+    def set_draft_vocab(self, token_ids) -> None:
+        """Restrict drafting to these token ids (plus each prompt's own tokens at generation time); None: all.
+
+        Drafting then projects onto a [Vd, H] slice of the lm_head instead of [V, H]: guesses cost a fraction of the
+        time, and a token outside the slice (and outside the prompt) can no longer be guessed. Verification is
+        untouched, so the output is the backbone's either way.
+        """
+        if token_ids is None:
+            self.draft_vocab, self.config.draft_vocab_size = None, None
+            return
+        ids = torch.unique(torch.as_tensor(token_ids, dtype=torch.long))
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be non-empty and within [0, {self.config.vocab_size})")
+        self.draft_vocab = ids
+        self.config.draft_vocab_size = int(ids.numel())
 
     # ---- backbone compatibility -------------------------------------------------------------------------------
     def check_backbone(self, model, strict_identity: bool = True) -> None:

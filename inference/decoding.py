@@ -37,15 +37,20 @@ class Accepted:
     tokens: list[int]  # the m accepted candidates followed by the bonus token (what this round emits)
 
 
-def propose(heads, lm_head, hidden: torch.Tensor, root: int, buffers: TreeBuffers) -> torch.Tensor:
+def propose(heads, lm_head, hidden: torch.Tensor, root: int, buffers: TreeBuffers, vocab=None) -> torch.Tensor:
     """Heads' top-k guesses laid on the tree.
 
-    hidden: [H] backbone state at the position before the root. Returns tree tokens [N] (node 0 = root).
+    hidden: [H] backbone state at the position before the root; vocab: a ``DraftVocab`` to project onto instead of
+    the whole vocabulary (heads with ``head_states`` only). Returns tree tokens [N] (node 0 = root).
     """
     if buffers.num_nodes == 1:
         return torch.tensor([root], dtype=torch.long)
-    logits = heads(hidden, lm_head)[: buffers.depth]  # [D, V]
-    topk = logits.topk(buffers.topk, dim=-1).indices  # [D, k]
+    if vocab is not None:
+        logits = vocab.logits(heads.head_states(hidden)[: buffers.depth])  # [D, Vd]
+        topk = vocab.ids[logits.topk(min(buffers.topk, logits.shape[-1]), dim=-1).indices]  # [D, k]
+    else:
+        logits = heads(hidden, lm_head)[: buffers.depth]  # [D, V]
+        topk = logits.topk(buffers.topk, dim=-1).indices  # [D, k]
     flat = torch.cat([torch.tensor([root], dtype=torch.long), topk.flatten()])  # [1 + D*k]
     return flat[buffers.token_index]  # [N]
 

@@ -83,15 +83,17 @@ class Candidates:
 
 def expand_tree(root: int, root_logprobs: torch.Tensor,
                 child_logprobs: Callable[[list[int], Candidates], torch.Tensor],
-                topk: int, depth: int, nodes: int) -> DraftTree:
+                topk: int, depth: int, nodes: int, token_ids: torch.Tensor | None = None) -> DraftTree:
     """Grow a draft tree (see the module docstring).
 
     root_logprobs [V]: draft log-probs of the root's children. ``child_logprobs(frontier, candidates)`` gets the
     frontier's candidate indices and all candidates so far, and returns the frontier's children's log-probs
-    [len(frontier), V]. Returns the tree, nodes ordered by depth, then score.
+    [len(frontier), V]. ``token_ids`` [V]: the token id of each log-prob column when they cover a draft vocabulary
+    (default: column = token id). Returns the tree, nodes ordered by depth, then score.
     """
+    ids = (lambda idx: token_ids[idx].tolist()) if token_ids is not None else (lambda idx: idx.tolist())
     top = root_logprobs.float().topk(min(topk, root_logprobs.numel()))
-    cands = Candidates(tokens=top.indices.tolist(), scores=top.values.tolist(), parent=[-1] * top.indices.numel(),
+    cands = Candidates(tokens=ids(top.indices), scores=top.values.tolist(), parent=[-1] * top.indices.numel(),
                        level=[1] * top.indices.numel())
     scores = cands.scores
     frontier = list(range(len(scores)))
@@ -108,7 +110,7 @@ def expand_tree(root: int, root_logprobs: torch.Tensor,
         child_scores = (torch.tensor([scores[c] for c in frontier])[:, None] + top.values).tolist()  # [F, k]
         first = len(scores)
         for row, c in enumerate(frontier):
-            cands.tokens.extend(top.indices[row].tolist())
+            cands.tokens.extend(ids(top.indices[row]))
             scores.extend(child_scores[row])
             cands.parent.extend([c] * top.indices.shape[1])
             cands.level.extend([d] * top.indices.shape[1])
@@ -128,8 +130,8 @@ class MTPDrafter:
     ``advance`` with the accepted nodes' hidden states and the emitted tokens.
     """
 
-    def __init__(self, heads, model, config: DynamicTreeConfig):
-        self.heads, self.config = heads, config
+    def __init__(self, heads, model, config: DynamicTreeConfig, vocab=None):
+        self.heads, self.config, self.vocab = heads, config, vocab  # vocab: a DraftVocab, or None (all tokens)
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         self.depth = config.depth or heads.config.num_heads
@@ -172,6 +174,14 @@ class MTPDrafter:
         self.next_position += n
         self.last_state = states[-1]
 
+    def _logprobs(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft log-probs [..., V] (or [..., Vd] over the draft vocabulary) of module output states [..., H]."""
+        if self.vocab is None:
+            logits = self.heads.logits(states, self.lm_head)
+        else:
+            logits = self.vocab.logits(self.heads.norm(states))
+        return torch.log_softmax(logits.float(), dim=-1)
+
     def propose(self, root: int, max_depth: int) -> DraftTree:
         """A dynamic tree below ``root`` at most ``max_depth`` deep. Leaves the module cache as it found it."""
         depth = min(self.depth, max_depth)
@@ -200,11 +210,11 @@ class MTPDrafter:
             for row, c in enumerate(frontier):
                 entry[c] = entries + row
                 output[c] = out[row]
-            return torch.log_softmax(self.heads.logits(out, self.lm_head).float(), dim=-1)  # [F, V]
+            return self._logprobs(out)  # [F, V or Vd]
 
         try:
-            root_logprobs = torch.log_softmax(self.heads.logits(self.last_state, self.lm_head).float(), dim=-1)
-            return expand_tree(root, root_logprobs, child_logprobs, self.config.topk, depth, self.config.nodes)
+            return expand_tree(root, self._logprobs(self.last_state), child_logprobs, self.config.topk, depth,
+                               self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids)
         finally:
             if self.cached > cached:  # drop the tree's entries (crop takes a negative count in transformers 5)
                 self.cache.crop(cached - self.cached)

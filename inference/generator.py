@@ -13,6 +13,7 @@ from transformers import DynamicCache, GenerationConfig
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_heads_path, load_backbone
 
 from .decoding import accept_greedy, commit, propose, verify
+from .draft_vocab import DraftVocab
 from .dynamic_tree import DynamicTreeConfig, MTPDrafter
 from .lookup import DRAFT_MODES, LOOKUP, SOURCE_NAMES, LookupConfig, LookupReliability, NgramIndex, merge_branch, \
     share_budget
@@ -73,7 +74,8 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree: Tree | str | list | None = None,
-                 strict_identity: bool = True, draft: str = "heads", lookup: LookupConfig | None = None):
+                 strict_identity: bool = True, draft: str = "heads", lookup: LookupConfig | None = None,
+                 draft_vocab: bool = True):
         if draft not in DRAFT_MODES:
             raise ValueError(f"unknown draft mode {draft!r}: expected one of {DRAFT_MODES}")
         if heads is None:
@@ -83,6 +85,10 @@ class SpeculativeGenerator:
         heads.check_backbone(model, strict_identity=strict_identity)
         self.draft = draft
         self.lookup = lookup or LookupConfig()
+        # heads that carry a draft vocabulary guess over it + the prompt's tokens (draft_vocab=False: all tokens)
+        self.use_draft_vocab = bool(draft_vocab) and getattr(heads, "draft_vocab", None) is not None and \
+            heads.config.share_lm_head and (callable(getattr(heads, "step", None))
+                                            or callable(getattr(heads, "head_states", None)))
         self.model = model
         self.heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
         self.tokenizer = tokenizer
@@ -218,9 +224,10 @@ class SpeculativeGenerator:
         last = out.logits[0, -1]  # [V]
         root = sample(target_probs(last, warpers), rng) if sampling else int(last.argmax())
         hidden = out.hidden_states[-1][0, -1]  # [H]
+        vocab = DraftVocab.for_prompt(self.heads.draft_vocab, lm_head, input_ids) if self.use_draft_vocab else None
         drafter = None
         if self.dynamic is not None:
-            drafter = MTPDrafter(self.heads, self.model, self.dynamic)
+            drafter = MTPDrafter(self.heads, self.model, self.dynamic, vocab=vocab)
             drafter.start(out.hidden_states[-1][0], input_ids[0], root)
         prefix_len = prompt_len
         new_tokens = [root]
@@ -247,7 +254,7 @@ class SpeculativeGenerator:
             else:
                 tree = self.tree.truncate(room)
                 buffers = tree.buffers
-                tokens = propose(self.heads, lm_head, hidden, root, buffers)  # [N]
+                tokens = propose(self.heads, lm_head, hidden, root, buffers, vocab)  # [N]
                 values = _static_values(tree) if self.draft == "hybrid" else None
             sources = None
             if use_lookup:

@@ -228,6 +228,7 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     its n-1 best nodes by score (what ``expand_tree`` keeps), and its accepted length is that of the deepest node in
     them whose path equals the continuation. Returns ({budget: mean tau}, mean propose seconds).
     """
+    from .draft_vocab import DraftVocab
     from .dynamic_tree import DynamicTreeConfig, MTPDrafter
 
     drafter = MTPDrafter(heads, model, DynamicTreeConfig(nodes=max(budgets), topk=config.topk, depth=config.depth))
@@ -240,6 +241,8 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
                              do_sample=False)[0]  # [T]
         hidden = model(seq[None], output_hidden_states=True).hidden_states[-1][0]  # [T, H]
         start = ids.shape[1]
+        if getattr(heads, "draft_vocab", None) is not None:  # guess over the same vocabulary as generation does
+            drafter.vocab = DraftVocab.for_prompt(heads.draft_vocab, model.get_output_embeddings(), ids)
         drafter.start(hidden[:start], seq[:start], int(seq[start]))
         for t in range(start, seq.numel() - 1):  # root = seq[t]
             t0 = time.perf_counter()

@@ -230,7 +230,7 @@ def test_train_export_and_speculative_generation(tmp_path, backbone_dir, data_di
     model, _ = load_backbone(str(backbone_dir))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = make_cfg(data_dir, tmp_path / "run", max_steps=24, lr=5e-2, warmup=3, save_every=0,
-                   feature_cache=str(tmp_path / "features"), loss="ce+kl")
+                   feature_cache=str(tmp_path / "features"), loss="ce+kl", draft_vocab_size=40)
     result = train(cfg, model=model)
     assert sum(result.losses[-4:]) < 0.8 * sum(result.losses[:4]), result.losses  # the loss goes down
     after = model.state_dict()
@@ -243,6 +243,9 @@ def test_train_export_and_speculative_generation(tmp_path, backbone_dir, data_di
     assert extra["training"]["loss"] == "ce+kl" and extra["data"]["provenance"]["sampling"] == {"greedy": True}
     assert extra["metrics"] == result.metrics and extra["wall_seconds"] > 0
     assert heads.config.backbone == str(backbone_dir)
+    # the draft vocabulary: the 40 most frequent training tokens, its held-out coverage recorded
+    assert heads.draft_vocab.numel() == 40 == extra["draft_vocab"]["size"]
+    assert 0.5 < extra["draft_vocab"]["heldout_token_coverage"] <= 1.0
     gen = SpeculativeGenerator(model, heads)
     data = load_data(data_dir, seq_len=48, eval_fraction=0.1, eval_max_examples=8, seed=0)
     accepted = 0

@@ -63,6 +63,10 @@ class TrainConfig:
         "help": "project with the backbone's frozen lm_head (small checkpoints) instead of a trained copy per head "
                 "(mtp: always)"})
 
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "help": "give the exported heads a draft vocabulary: the N most frequent tokens of the training sequences "
+                "(drafting then projects onto those + the prompt's tokens: much cheaper guesses); unset = all tokens"})
+
     # ---- objective -----------------------------------------------------------------------------------------------
     loss: str = field(default="ce", metadata={
         "help": f"one of {LOSSES}: cross-entropy on the self-distilled tokens, KL to the backbone's own "
@@ -112,6 +116,8 @@ class TrainConfig:
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise ValueError(f"--{name} must be > 0, got {value!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size <= 0:
+            raise ValueError(f"--draft_vocab_size must be > 0, got {self.draft_vocab_size!r}")
         non_negative = {"num_layers": self.num_layers, "save_every": self.save_every, "eval_every": self.eval_every,
                         "keep_checkpoints": self.keep_checkpoints, "weight_decay": self.weight_decay,
                         "grad_clip": self.grad_clip}

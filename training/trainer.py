@@ -123,10 +123,21 @@ def rank_weight_digests(heads, world: int) -> list[str]:
     return digests
 
 
+def draft_vocab_from(data: SelfDistilledData, size: int) -> tuple[torch.Tensor, dict]:
+    """The ``size`` most frequent tokens of the training sequences, and a record with its held-out coverage."""
+    from tokenmaxx.inference.draft_vocab import frequent_tokens
+
+    ids = frequent_tokens((data.examples[r].ids.tolist() for r in data.train), size)
+    held = torch.cat([data.examples[r].ids for r in data.eval]) if data.eval else torch.zeros(0, dtype=torch.long)
+    coverage = float(torch.isin(held, ids).float().mean()) if held.numel() else None
+    return ids, {"size": int(ids.numel()), "requested": size, "heldout_token_coverage": coverage}
+
+
 def export_heads(heads, cfg: TrainConfig, extra: dict, rank: int) -> Path:
     """Step 10: gather fp32 master weights (collective), then rank 0 writes config.json + model.safetensors."""
     from deepspeed.utils import safe_get_full_fp32_param
 
+    vocab = extra.pop("_draft_vocab", None)  # token ids (a tensor: not part of the JSON record)
     state = {}
     for name, param in heads.named_parameters():
         full = safe_get_full_fp32_param(param)  # ZeRO-partitioned fp32 master copy, gathered on every rank
@@ -136,6 +147,8 @@ def export_heads(heads, cfg: TrainConfig, extra: dict, rank: int) -> Path:
         config = HeadsConfig.from_dict({**heads.config.to_dict(), "extra": extra})
         exported = HEAD_KINDS[config.kind](config)
         exported.load_state_dict(state, strict=True)
+        if vocab is not None:
+            exported.set_draft_vocab(vocab)
         exported.save_pretrained(out)
     _barrier()
     return out
@@ -277,6 +290,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
              "metrics": result.metrics, "steps": step, "wall_seconds": round(result.wall_seconds, 2),
              "train_positions_per_s": round(result.positions_per_s, 1),
              "rank_weight_digests": rank_weight_digests(engine.module.heads, world)}
+    if cfg.draft_vocab_size:
+        extra["_draft_vocab"], extra["draft_vocab"] = draft_vocab_from(data, cfg.draft_vocab_size)
     export_heads(engine.module.heads, cfg, extra, rank)  # 10. export
     return result
 
