@@ -225,6 +225,7 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.utils import is_jinja_available
 
+    from tokenmaxx.inference.dynamic_tree import DynamicTreeConfig
     from tokenmaxx.inference.tree import parse_tree
 
     if not is_jinja_available():
@@ -237,7 +238,10 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
     license = license or LICENSES.get(base or "")
     data = ModelCardData(base_model=base, library_name="tokenmaxx", license=license, datasets=datasets or None,
                          tags=[*TAGS, config.kind])
-    tree = parse_tree(config.tree, config.num_heads)
+    tree = parse_tree(config.tree if config.kind != "mtp" else None, config.num_heads)
+    defaults = DynamicTreeConfig()
+    dynamic = {"nodes": defaults.nodes, "topk": defaults.topk, "depth": defaults.depth or config.num_heads,
+               **{k: v for k, v in (_get(extra, "dynamic_tree", dict) or {}).items() if v is not None}}
     metrics = _get(extra, "metrics", dict) or {}
     context = {
         "repo_id": repo_id, "config": config, "license": license or NOT_RECORDED, "base_model": base,
@@ -249,6 +253,7 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
         "tau_product": _get(metrics, "tree_tau_product", (int, float)),
         "tree": {"nodes": tree.num_nodes, "depth": tree.depth, "own": config.tree is not None,
                  "paths": json.dumps([list(p) for p in tree.paths])},
+        "dynamic": dynamic,
         "bench": _bench_context(load_bench(bench)) if bench is not None else None,
         "usage": usage_snippet(config, repo_id),
     }

@@ -475,3 +475,19 @@ def test_card_usage_snippet_names_the_real_api():
 def test_bench_json_shape_is_checked(bench, msg):
     with pytest.raises(ValueError, match=msg):
         load_bench(bench)
+
+
+def test_card_describes_mtp_heads():
+    from conftest import tiny_model
+
+    from tokenmaxx.heads import MTPHeads
+
+    heads = MTPHeads.for_backbone(tiny_model("qwen2"), num_heads=3)
+    heads.config.extra = {"metrics": {"head_top1": [0.4, 0.3, 0.2], "head_top5": [0.6, 0.5, 0.4]},
+                          "dynamic_tree": {"nodes": 12}}
+    heads.set_draft_vocab([3, 4, 5])
+    text = render_model_card(heads.config, "org/mtp").text
+    assert "MTP-style sequential draft module" in text and "`qwen2` family" in text
+    assert "| depth | top-1 | top-5 |" in text and "the 12 best nodes" in text
+    assert "3 frequent tokens + each prompt's tokens" in text
+    assert "Each path lists ranks" not in text  # no static tree for a dynamic drafter
