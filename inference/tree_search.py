@@ -263,7 +263,9 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
 
 def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None = None, refresh: bool = False):
     """The dynamic-tree node budget with the best expected tokens/s on this machine (cached like ``auto_tree``):
-    argmax over budgets n of tau(n) / (verify latency(n) + draft and loop overhead)."""
+    argmax over budgets n of tau(n) / (verify latency(n) + overhead(n)), where tau(n) comes from drafting along the
+    backbone's own continuations and overhead(n) (drafting, acceptance, cache commit) from a short generation with
+    budget n."""
     from tokenmaxx.heads import cache_dir
 
     from .dynamic_tree import DynamicTreeConfig
@@ -276,10 +278,11 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
         return DynamicTreeConfig(**json.loads(path.read_text())["dynamic_tree"])
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
     latency = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
-    loop = measure_overhead(model, heads, tokenizer, DynamicTreeConfig(nodes=2, topk=config.topk,
-                                                                       depth=config.depth))
-    table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop,
-              "tokens_per_s": tau / (latency[n] + loop)} for n, tau in sorted(taus.items())]
+    # drafting cost grows with the budget (more levels survive the pruning): measure the overhead of each one
+    loop = {n: measure_overhead(model, heads, tokenizer, DynamicTreeConfig(nodes=n, topk=config.topk,
+                                                                           depth=config.depth)) for n in taus}
+    table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop[n],
+              "tokens_per_s": tau / (latency[n] + loop[n])} for n, tau in sorted(taus.items())]
     best = max(table, key=lambda row: row["tokens_per_s"])
     chosen = DynamicTreeConfig(nodes=best["nodes"], topk=config.topk, depth=config.depth)
     path.parent.mkdir(parents=True, exist_ok=True)

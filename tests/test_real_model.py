@@ -65,16 +65,21 @@ def test_oracle_heads_token_identical_fp32(smollm2):
     assert out.stats.mean_tau > 2.0
 
 
-def test_shipped_heads_load_and_stay_exact_fp32(smollm2):
+@pytest.mark.parametrize("kind", ["medusa", "mtp"])
+def test_shipped_heads_load_and_stay_exact_fp32(smollm2, kind):
     from tokenmaxx.heads import DraftHeads, default_heads_path
+    from tokenmaxx.heads.pretrained import shipped_heads
 
     model, tokenizer = smollm2
-    path = default_heads_path("smollm2-135m")
-    assert path is not None, "the trained heads for the default backbone must ship in heads/pretrained"
+    assert default_heads_path("smollm2-135m") is not None, "the default backbone's heads must ship in heads/pretrained"
+    path = shipped_heads("smollm2-135m").get(kind)
+    assert path is not None, f"trained {kind} heads for the default backbone must ship in heads/pretrained"
     assert sum(f.stat().st_size for f in path.iterdir()) < 20 * 2**20
     heads = DraftHeads.from_pretrained(path)
-    assert heads.config.backbone == "smollm2-135m" and heads.config.extra["metrics"]["head_top1"][0] > 0.2
+    assert heads.config.kind == kind and heads.config.backbone == "smollm2-135m"
+    assert heads.config.extra["metrics"]["head_top1"][0] > 0.2 and heads.draft_vocab is not None
     gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer)
-    input_ids = gen.encode([{"role": "user", "content": PROMPTS[0]}])
-    out = gen.generate(input_ids, max_new_tokens=32)
-    assert out.sequences.tolist() == greedy_reference(model, input_ids, 32).tolist()
+    for text in PROMPTS[:2]:
+        input_ids = gen.encode([{"role": "user", "content": text}])
+        out = gen.generate(input_ids, max_new_tokens=32)
+        assert out.sequences.tolist() == greedy_reference(model, input_ids, 32).tolist()
