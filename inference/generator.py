@@ -75,7 +75,7 @@ class SpeculativeGenerator:
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree: Tree | str | list | None = None,
                  strict_identity: bool = True, draft: str = "heads", lookup: LookupConfig | None = None,
-                 draft_vocab: bool = True):
+                 draft_vocab: bool = True, adaptive_budget: bool = True):
         if draft not in DRAFT_MODES:
             raise ValueError(f"unknown draft mode {draft!r}: expected one of {DRAFT_MODES}")
         if heads is None:
@@ -120,6 +120,12 @@ class SpeculativeGenerator:
         if draft == "lookup":
             self.tree = chain(0)
             self.dynamic = None
+        # hybrid trees size themselves per step from this machine's verify latency per node count (cached)
+        self.latency = None
+        if draft == "hybrid" and adaptive_budget:
+            from .tree_search import cached_latency
+
+            self.latency = cached_latency(model)
 
     @classmethod
     def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
@@ -259,9 +265,11 @@ class SpeculativeGenerator:
             sources = None
             if use_lookup:
                 branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
-                if branch and self.draft == "hybrid":  # lookup and heads nodes share the node budget
+                if self.draft == "hybrid":  # lookup and heads nodes share the node budget, sized per step
                     budget = max(self.dynamic.nodes if self.dynamic else len(self.tree), len(branch) + 1)
-                    tokens, buffers, sources = share_budget(tokens, buffers, values, branch, reliability.p, budget)
+                    overhead = (sum(phases.values()) - phases["verify"]) / stats.steps if stats.steps else 0.0
+                    tokens, buffers, sources = share_budget(tokens, buffers, values, branch, reliability.p, budget,
+                                                            self.latency, overhead)
                 elif branch:
                     tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
             t1 = time.perf_counter()
@@ -294,7 +302,8 @@ class SpeculativeGenerator:
                     stats.accepted_by_source[SOURCE_NAMES[src]] += 1
                 from_lookup = sum(1 for src in path_sources if src & LOOKUP)
                 if self.draft == "hybrid":
-                    reliability.update(int(((sources & LOOKUP) > 0).sum()), from_lookup)  # kept lookup nodes
+                    if branch:
+                        reliability.update(int(((sources & LOOKUP) > 0).sum()), from_lookup)  # kept lookup nodes
                     lookup_len = self.lookup.max_len  # the shared budget decides how much of the branch is kept
                 else:
                     lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)

@@ -108,6 +108,9 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
                     repeats: int = 5) -> dict[int, float]:
     """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len`` (min over repeats)."""
     vocab = model.get_output_embeddings().weight.shape[0]
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None:  # stay inside the backbone's context
+        prefix_len = max(1, min(prefix_len, context - max(sizes)))
     gen = torch.Generator().manual_seed(0)
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen), past_key_values=cache, use_cache=True)
@@ -163,6 +166,26 @@ def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
     out = gen.generate([{"role": "user", "content": CALIBRATION_PROMPTS[0]}], max_new_tokens=48)
     s = out.stats
     return max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1)
+
+
+def cached_latency(model, cache_root: Path | None = None, refresh: bool = False) -> dict[int, float]:
+    """``measure_latency`` of this backbone on this machine, measured once and cached (a few seconds)."""
+    from tokenmaxx.heads import backbone_identity, cache_dir
+
+    machine = machine_fingerprint(model)
+    shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                          "vocab_size", "intermediate_size")}
+    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency"], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:24]
+    path = (cache_root or cache_dir() / "calibration") / f"latency-{key}.json"
+    if path.is_file() and not refresh:
+        return {int(n): s for n, s in json.loads(path.read_text())["latency"].items()}
+    latency = measure_latency(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"latency": latency, "machine": machine}, indent=1))
+    tmp.replace(path)
+    return latency
 
 
 # ---- caching ------------------------------------------------------------------------------------------------------

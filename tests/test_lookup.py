@@ -147,3 +147,21 @@ def test_share_budget_gives_nodes_to_the_likelier_source():
     for _ in range(10):
         rel.update(proposed=4, accepted=0)
     assert high > 0.9 and rel.p < 0.3
+
+
+def test_share_budget_sizes_the_tree_from_the_latency_table():
+    from tokenmaxx.inference.lookup import share_budget
+
+    tree = Tree([(0,), (0, 0), (1,), (2,)])
+    tokens = torch.tensor([9, 10, 12, 11, 13])
+    values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
+    branch = [20, 21]  # with p = 0.9: 0.9, 0.81
+    flat = {1: 0.10, 8: 0.10}  # verifying more nodes is free: keep the whole budget
+    out, _, _ = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=flat)
+    assert out.numel() == 7
+    steep = {1: 0.10, 2: 0.10, 3: 0.10, 4: 0.30}  # a 4th node triples the cost: 3 nodes (root + 0.9 + 0.81)
+    out, _, sources = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=steep)
+    assert out.tolist() == [9, 20, 21] and (sources == LOOKUP).sum() == 2
+    # no branch: the heads tree alone, trimmed the same way
+    out, buffers, sources = share_budget(tokens, tree.buffers, values, [], 0.9, budget=7, latency=steep)
+    assert out.tolist() == [9, 10, 13] and (sources == HEADS).all() and buffers.parents.tolist() == [0, 0, 1]
