@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import greedy_reference, random_heads, tiny_model
+from test_greedy import _prompts
 from transformers import DynamicCache, GenerationConfig
 
 from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MTPHeads
@@ -59,13 +60,6 @@ class OracleMTP(MTPHeads):
                     out[i, int(torch.randint(vocab, (), generator=gen))] = 12.0
                     out[i, target] = 11.0
         return out[0] if states.dim() == 1 else out
-
-
-def _prompts(n, vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        length = int(torch.randint(1, 20, (1,), generator=gen))
-        yield torch.randint(3, vocab, (1, length), generator=gen), int(torch.randint(1, 40, (1,), generator=gen))
 
 
 # ---- the module --------------------------------------------------------------------------------------------------

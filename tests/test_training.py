@@ -92,6 +92,24 @@ def test_head_k_at_t_targets_token_t_plus_k_plus_1():
     assert row[0, 0, :4].tolist() == [-1, 0, 1, 2] and row[1, 0, :3].tolist() == [0, 1, 2]
 
 
+def _fused_equals_unfused(objective, call):
+    """Run the objective fused (linear_cross_entropy) and unfused (materialised logits): same loss, stats and
+    gradients. Returns the fused run's (loss, stats, gradients)."""
+    results = []
+    for fused in (True, False):
+        objective.fused = fused
+        objective.heads.zero_grad()
+        value, stats = call()
+        value.backward()
+        results.append((value.detach(), stats, [p.grad.clone() for p in objective.heads.parameters()]))
+    (v1, s1, g1), (v2, s2, g2) = results
+    torch.testing.assert_close(v1, v2)
+    torch.testing.assert_close(s1, s2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    return v1, s1, g1
+
+
 @pytest.mark.parametrize("loss", ["ce", "kl", "ce+kl"])
 def test_objective_fused_matches_logits_path(loss):
     model = tiny_model("llama")
@@ -102,18 +120,8 @@ def test_objective_fused_matches_logits_path(loss):
     objective = HeadsObjective(heads, loss=loss, head_decay=0.8)
     ids = torch.randint(3, 96, (2, 10))
     hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # [B, T, H]
-    results = []
-    for fused in (True, False):  # linear_cross_entropy vs materialised logits + log_softmax
-        objective.fused = fused
-        heads.zero_grad()
-        value, stats = objective(hidden, ids, torch.tensor([4, 6]), torch.tensor([10, 8]), model.lm_head)
-        value.backward()
-        results.append((value.detach(), stats, [p.grad.clone() for p in heads.parameters()]))
-    (v1, s1, g1), (v2, s2, g2) = results
-    torch.testing.assert_close(v1, v2)
-    torch.testing.assert_close(s1, s2)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    v1, s1, _ = _fused_equals_unfused(objective, lambda: objective(hidden, ids, torch.tensor([4, 6]),
+                                                                   torch.tensor([10, 8]), model.lm_head))
     assert v1 > 0 and model.lm_head.weight.grad is None  # the shared lm_head stays frozen
     assert s1[3].tolist() == [8, 8, 8]  # (10 - 4) + (8 - 6) targets inside the answers, for every head
     assert (s1[0] > 0).all() and ((s1[1] > 0).all() if loss != "ce" else (s1[1] == 0).all())
@@ -131,18 +139,8 @@ def test_objective_mtp_scores_each_depth_of_the_unroll(loss):
     ids = torch.randint(3, 96, (2, 10))
     answer_start, lengths = torch.tensor([4, 6]), torch.tensor([10, 8])
     hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # [B, T, H]
-    results = []
-    for fused in (True, False):  # linear_cross_entropy on the selected states vs lm_head logits
-        objective.fused = fused
-        heads.zero_grad()
-        value, stats = objective(hidden, ids, answer_start, lengths, lm_head, embed=embed)
-        value.backward()
-        results.append((value.detach(), stats, [p.grad.clone() for p in heads.parameters()]))
-    (v1, s1, g1), (v2, s2, g2) = results
-    torch.testing.assert_close(v1, v2)
-    torch.testing.assert_close(s1, s2)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    v1, s1, g1 = _fused_equals_unfused(objective, lambda: objective(hidden, ids, answer_start, lengths, lm_head,
+                                                                    embed=embed))
     assert all(g.abs().sum() > 0 for g in g1)  # the loss reaches every weight (depth d reads depth d-1's output)
     assert lm_head.weight.grad is None and embed.weight.grad is None  # backbone modules stay frozen
     # Reference: the module's own logits of the whole unroll [D, B, T, V], scored where depth d = head k has a target.
