@@ -267,9 +267,10 @@ class SpeculativeGenerator:
                 branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
                 if self.draft == "hybrid":  # lookup and heads nodes share the node budget, sized per step
                     budget = max(self.dynamic.nodes if self.dynamic else len(self.tree), len(branch) + 1)
-                    overhead = (sum(phases.values()) - phases["verify"]) / stats.steps if stats.steps else 0.0
+                    # sized from the cached latency table only (no wall-clock input): a seeded generation picks the
+                    # same trees, hence the same samples, every time
                     tokens, buffers, sources = share_budget(tokens, buffers, values, branch, reliability.p, budget,
-                                                            self.latency, overhead)
+                                                            self.latency)
                 elif branch:
                     tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
             t1 = time.perf_counter()
