@@ -92,13 +92,13 @@ class SpeculativeGenerator:
         self.model = model
         self.heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
         self.tokenizer = tokenizer
+        if tree == "auto" and tokenizer is None:
+            raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
         self.dynamic: DynamicTreeConfig | None = None  # sequential (mtp) heads draft dynamic trees
         if callable(getattr(heads, "step", None)):
             if tree == "auto":  # the node budget with the best tokens/s on this machine (cached)
                 from .tree_search import auto_dynamic
 
-                if tokenizer is None:
-                    raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
                 self.dynamic = auto_dynamic(model, self.heads, tokenizer)
             else:
                 self.dynamic = _dynamic_config(tree if tree is not None else heads.config.extra.get("dynamic_tree"))
@@ -106,11 +106,9 @@ class SpeculativeGenerator:
         elif tree == "auto":  # calibrated for this machine (cached per backbone + heads + machine)
             from .tree_search import auto_tree
 
-            if tokenizer is None:
-                raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
             self.tree = auto_tree(model, self.heads, tokenizer)
         else:
-            if isinstance(tree, (str, DynamicTreeConfig)) and str(tree).startswith(("dynamic", "DynamicTree")):
+            if isinstance(tree, DynamicTreeConfig) or (isinstance(tree, str) and tree.startswith("dynamic")):
                 raise ValueError(f"tree {tree!r}: dynamic trees are drafted by sequential heads (kind 'mtp'); "
                                  f"these heads are {heads.config.kind!r}: use a static tree ('default', 'chain:K', "
                                  "'auto' or a list of paths)")
@@ -247,7 +245,8 @@ class SpeculativeGenerator:
         if use_lookup:
             index = NgramIndex(self.lookup.max_ngram)
             index.extend(input_ids[0].tolist() + [root])
-            lookup_len = self.lookup.start_len
+            # hybrid: the branch is offered whole and the shared budget decides how much of it is kept
+            lookup_len = self.lookup.max_len if self.draft == "hybrid" else self.lookup.start_len
             reliability = LookupReliability()
         while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
@@ -305,7 +304,6 @@ class SpeculativeGenerator:
                 if self.draft == "hybrid":
                     if branch:
                         reliability.update(int(((sources & LOOKUP) > 0).sum()), from_lookup)  # kept lookup nodes
-                    lookup_len = self.lookup.max_len  # the shared budget decides how much of the branch is kept
                 else:
                     lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)
             if use_lookup:
@@ -327,16 +325,9 @@ class SpeculativeGenerator:
 def _static_values(tree: Tree) -> torch.Tensor:
     """Estimated acceptance probability of each node of a static tree (root first): the product of typical per-rank
     head accuracies along its path (``tree.TYPICAL_RANK_ACCURACY``, what the default tree is grown from)."""
-    from .tree import TYPICAL_RANK_ACCURACY
+    from .tree import TYPICAL_RANK_ACCURACY, path_probability
 
-    values = [1.0]
-    for path in tree.paths:
-        v = 1.0
-        for k, r in enumerate(path):
-            table = TYPICAL_RANK_ACCURACY[min(k, len(TYPICAL_RANK_ACCURACY) - 1)]
-            v *= table[r] if r < len(table) else table[-1] / (r - len(table) + 2)
-        values.append(v)
-    return torch.tensor(values)
+    return torch.tensor([1.0] + [path_probability(TYPICAL_RANK_ACCURACY, path) for path in tree.paths])
 
 
 def _dynamic_config(spec) -> DynamicTreeConfig:

@@ -126,15 +126,15 @@ class LookupReliability:
 
 
 def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branch: list[int], p_lookup: float,
-                 budget: int, latency: dict[int, float] | None = None,
-                 overhead: float = 0.0) -> tuple[torch.Tensor, TreeBuffers, torch.Tensor]:
+                 budget: int, latency: dict[int, float] | None = None) -> tuple[torch.Tensor, TreeBuffers,
+                                                                                torch.Tensor]:
     """Merge a lookup branch into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
 
     values [N]: each heads node's estimated probability that its path is accepted (root: 1). A lookup node at depth j
     is worth p_lookup**j; a node both proposed is worth the larger. Values never grow along a path, so the kept set
     (best first, shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify
     forward per node count, measured on this machine) the budget itself is chosen per step: the n <= budget that
-    maximises (1 + sum of the n-1 best values) / (latency(n) + overhead), i.e. expected tokens per second. Returns
+    maximises (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second. Returns
     tokens, buffers, sources (HEADS / LOOKUP bits) of the kept tree.
     """
     merged, merged_buffers, sources = merge_branch(tokens, buffers, branch) if branch else \
@@ -145,13 +145,14 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     from_lookup = (sources & LOOKUP) > 0
     worth = torch.where(from_lookup, torch.maximum(worth, p_lookup ** depths), worth)
     worth[0] = float("inf")  # the root always stays
-    ranked = sorted(range(merged.numel()), key=lambda i: (-float(worth[i]), int(depths[i]), i))
+    worth_list, depth_list = worth.tolist(), depths.tolist()
+    ranked = sorted(range(merged.numel()), key=lambda i: (-worth_list[i], depth_list[i], i))
     if latency is not None:
         from .tree_search import interpolate
 
         gains = worth[ranked[1:budget]].clamp(max=1.0).cumsum(0).tolist()  # expected accepted tokens of n-1 nodes
         budget = max(range(1, min(budget, merged.numel()) + 1),
-                     key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / (interpolate(latency, n) + overhead))
+                     key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / interpolate(latency, n))
     if merged.numel() <= budget:
         return merged, merged_buffers, sources
     order = ranked[:budget]

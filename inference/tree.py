@@ -157,6 +157,16 @@ def sparse_tree(rank_accuracy: Sequence[Sequence[float]], num_nodes: int) -> Tre
     return Tree(chosen)
 
 
+def path_probability(rank_accuracy: Sequence[Sequence[float]], path: Sequence[int]) -> float:
+    """Product of per-head rank accuracies along a path: the chance it is accepted under Medusa's model. Heads deeper
+    than the table use its last row; ranks past a row's end decay from its last entry."""
+    value = 1.0
+    for k, r in enumerate(path):
+        row = rank_accuracy[min(k, len(rank_accuracy) - 1)]
+        value *= row[r] if r < len(row) else row[-1] / (r - len(row) + 2)
+    return value
+
+
 # Per-rank accuracies of typical Medusa heads on a small backbone (head 1's top-1 about 0.3; deeper heads are judged
 # given their parent was right, which is why they are higher). The default tree is grown from this table.
 TYPICAL_RANK_ACCURACY = (

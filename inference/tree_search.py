@@ -59,15 +59,10 @@ def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tu
 def ordered_paths_from_accuracy(rank_accuracy: Sequence[Sequence[float]],
                                 max_nodes: int) -> list[tuple[tuple[int, ...], float]]:
     """Paths by the product of per-head rank accuracies (Medusa's model), most probable first."""
-    from .tree import sparse_tree
+    from .tree import path_probability, sparse_tree
 
     tree = sparse_tree(rank_accuracy, max_nodes)
-    values = {}
-    for path in tree.paths:
-        v = 1.0
-        for k, r in enumerate(path):
-            v *= rank_accuracy[k][r]
-        values[path] = v
+    values = {path: path_probability(rank_accuracy, path) for path in tree.paths}
     return sorted(values.items(), key=lambda pv: (-pv[1], len(pv[0]), pv[0]))
 
 
@@ -127,22 +122,27 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
     return out
 
 
+def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int):
+    """Per calibration prompt: its chat input_ids [1, P], the backbone's greedy continuation seq [T] (prompt
+    included) and the final-normed hidden states along it [T, H]."""
+    for text in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")["input_ids"]
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False)  # [1, T]
+        yield ids, seq[0], model(seq, output_hidden_states=True).hidden_states[-1][0]
+
+
 @torch.inference_mode()
 def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS,
                     max_new_tokens: int = 128, max_rank: int = 10) -> torch.Tensor:
     """Ranks [T, K] of the backbone's own greedy continuation in each head's top-``max_rank`` (max_rank = absent)."""
     lm_head = model.get_output_embeddings()
     rows = []
-    for text in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_dict=True, return_tensors="pt")["input_ids"]
-        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False)  # [1, T]
-        hidden = model(seq, output_hidden_states=True).hidden_states[-1][0]  # [T, H]
+    for ids, seq, hidden in continuations(model, tokenizer, prompts, max_new_tokens):
         start = ids.shape[1] - 1  # first position whose next token is generated
         logits = heads(hidden[start:], lm_head)  # [K, T', V]
         top = logits.topk(max_rank, dim=-1).indices  # [K, T', R]
-        seq = seq[0]
         num_heads, length = top.shape[0], top.shape[1]
         for t in range(length):
             pos = start + t
@@ -170,25 +170,37 @@ def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
 
 def cached_latency(model, cache_root: Path | None = None, refresh: bool = False) -> dict[int, float]:
     """``measure_latency`` of this backbone on this machine, measured once and cached (a few seconds)."""
-    from tokenmaxx.heads import backbone_identity, cache_dir
+    from tokenmaxx.heads import backbone_identity
 
     machine = machine_fingerprint(model)
     shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
                                                           "vocab_size", "intermediate_size")}
     key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency"], sort_keys=True,
                                     default=str).encode()).hexdigest()[:24]
-    path = (cache_root or cache_dir() / "calibration") / f"latency-{key}.json"
+    path = _cache_path(f"latency-{key}", cache_root)
     if path.is_file() and not refresh:
         return {int(n): s for n, s in json.loads(path.read_text())["latency"].items()}
     latency = measure_latency(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"latency": latency, "machine": machine}, indent=1))
-    tmp.replace(path)
+    _write_record(path, {"latency": latency, "machine": machine})
     return latency
 
 
 # ---- caching ------------------------------------------------------------------------------------------------------
+def _cache_path(key: str, cache_root: Path | None) -> Path:
+    """Where a calibration record lives: CACHE/calibration/KEY.json (``tokenmaxx.heads.cache_dir``)."""
+    from tokenmaxx.heads import cache_dir
+
+    return (cache_root or cache_dir() / "calibration") / f"{key}.json"
+
+
+def _write_record(path: Path, record: dict) -> None:
+    """Write a calibration record under a temp name, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
 def cpu_name() -> str:
     """The CPU model (from /proc/cpuinfo where there is one)."""
     try:
@@ -218,10 +230,8 @@ def calibration_key(model, heads, machine: dict) -> str:
 def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | None = None,
               refresh: bool = False) -> Tree:
     """Calibrate (or read the cached calibration) and return the tree with the best expected tokens/s."""
-    from tokenmaxx.heads import cache_dir
-
     machine = machine_fingerprint(model)
-    path = (cache_root or cache_dir() / "calibration") / f"{calibration_key(model, heads, machine)}.json"
+    path = _cache_path(calibration_key(model, heads, machine), cache_root)
     if path.is_file() and not refresh:
         return Tree(json.loads(path.read_text())["tree"])
     ranks = calibrate_ranks(model, heads, tokenizer)
@@ -229,12 +239,8 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
     overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]))
     tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
                               max_depth=heads.config.num_heads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"tree": [list(p) for p in tree.paths], "machine": machine,
-                               "latency": latency, "overhead": overhead, "positions": ranks.shape[0],
-                               "table": table}, indent=1))
-    tmp.replace(path)
+    _write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
+                         "overhead": overhead, "positions": ranks.shape[0], "table": table})
     return tree
 
 
@@ -257,12 +263,7 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     drafter = MTPDrafter(heads, model, DynamicTreeConfig(nodes=max(budgets), topk=config.topk, depth=config.depth))
     totals = dict.fromkeys(budgets, 0.0)
     positions, propose_s = 0, 0.0
-    for text in prompts or CALIBRATION_PROMPTS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_dict=True, return_tensors="pt")["input_ids"]
-        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False)[0]  # [T]
-        hidden = model(seq[None], output_hidden_states=True).hidden_states[-1][0]  # [T, H]
+    for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens):
         start = ids.shape[1]
         if getattr(heads, "draft_vocab", None) is not None:  # guess over the same vocabulary as generation does
             drafter.vocab = DraftVocab.for_prompt(heads.draft_vocab, model.get_output_embeddings(), ids)
@@ -272,11 +273,11 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
             tree = drafter.propose(int(seq[t]), seq.numel() - 1 - t)
             propose_s += time.perf_counter() - t0
             depths, parents = tree.buffers.depths.tolist(), tree.buffers.parents.tolist()
-            tokens = tree.tokens.tolist()
+            tokens, scores = tree.tokens.tolist(), tree.scores.tolist()
             correct = [True] + [False] * (len(tokens) - 1)
             for i in range(1, len(tokens)):
                 correct[i] = correct[parents[i]] and tokens[i] == int(seq[t + depths[i]])
-            by_score = sorted(range(1, len(tokens)), key=lambda i: (-float(tree.scores[i]), depths[i], i))
+            by_score = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], depths[i], i))
             for n in budgets:
                 totals[n] += 1 + max((depths[i] for i in by_score[: n - 1] if correct[i]), default=0)
             positions += 1
@@ -289,14 +290,12 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     argmax over budgets n of tau(n) / (verify latency(n) + overhead(n)), where tau(n) comes from drafting along the
     backbone's own continuations and overhead(n) (drafting, acceptance, cache commit) from a short generation with
     budget n."""
-    from tokenmaxx.heads import cache_dir
-
     from .dynamic_tree import DynamicTreeConfig
 
     config = config or DynamicTreeConfig()
     machine = machine_fingerprint(model)
     key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth]})
-    path = (cache_root or cache_dir() / "calibration") / f"{key}.json"
+    path = _cache_path(key, cache_root)
     if path.is_file() and not refresh:
         return DynamicTreeConfig(**json.loads(path.read_text())["dynamic_tree"])
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
@@ -308,10 +307,7 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
               "tokens_per_s": tau / (latency[n] + loop[n])} for n, tau in sorted(taus.items())]
     best = max(table, key=lambda row: row["tokens_per_s"])
     chosen = DynamicTreeConfig(nodes=best["nodes"], topk=config.topk, depth=config.depth)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"dynamic_tree": {"nodes": chosen.nodes, "topk": chosen.topk, "depth": chosen.depth},
-                               "machine": machine, "latency": latency, "overhead": loop, "propose_seconds": propose_s,
-                               "table": table}, indent=1))
-    tmp.replace(path)
+    _write_record(path, {"dynamic_tree": {"nodes": chosen.nodes, "topk": chosen.topk, "depth": chosen.depth},
+                         "machine": machine, "latency": latency, "overhead": loop, "propose_seconds": propose_s,
+                         "table": table})
     return chosen
