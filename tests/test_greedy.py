@@ -17,8 +17,28 @@ def _prompts(n, vocab, seed):
 @pytest.mark.parametrize("tree", [default_tree(), chain(4), Tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])],
                          ids=["default", "chain4", "small"])
 def test_random_heads_match_greedy(model, tree):
-    gen = SpeculativeGenerator(model, random_heads(model), tree=tree)
-    for input_ids, max_new in _prompts(8, model.config.vocab_size, seed=1):
+    assert_matches_greedy(SpeculativeGenerator(model, random_heads(model), tree=tree), model, 8, seed=1)
+
+
+def oracle_tau(model, make_generator, n: int, seed: int) -> float:
+    """Generate from n random prompts with ``make_generator(reference, i)`` (oracle heads that know ``reference``, the
+    greedy continuation, 8 tokens beyond what is generated for their look-ahead), assert each output equals plain
+    greedy generate, and return the mean tokens per speculative step."""
+    total_steps = total_tokens = 0
+    for i, (input_ids, max_new) in enumerate(_prompts(n, model.config.vocab_size, seed=seed)):
+        max_new += 20
+        expected = greedy_reference(model, input_ids, max_new)
+        gen = make_generator(greedy_reference(model, input_ids, max_new + 8), i)
+        out = gen.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist()
+        total_steps += out.stats.steps
+        total_tokens += out.stats.new_tokens - 1  # the first token comes from the prefill
+    return total_tokens / total_steps
+
+
+def assert_matches_greedy(gen, model, n: int, seed: int) -> None:
+    """``gen`` reproduces model.generate(do_sample=False) on n random prompts of random lengths and token budgets."""
+    for input_ids, max_new in _prompts(n, model.config.vocab_size, seed=seed):
         expected = greedy_reference(model, input_ids, max_new)
         out = gen.generate(input_ids, max_new_tokens=max_new)
         assert out.sequences.tolist() == expected.tolist()
@@ -27,18 +47,8 @@ def test_random_heads_match_greedy(model, tree):
 
 @pytest.mark.parametrize("p_top", [1.0, 0.6])
 def test_oracle_heads_match_greedy_with_long_acceptance(model, p_top):
-    total_steps = total_tokens = 0
-    for i, (input_ids, max_new) in enumerate(_prompts(6, model.config.vocab_size, seed=2)):
-        max_new += 20
-        expected = greedy_reference(model, input_ids, max_new)
-        # the oracle needs the continuation beyond max_new too, for its look-ahead near the end
-        oracle = OracleHeads(model, greedy_reference(model, input_ids, max_new + 8), p_top=p_top,
-                             p_wrong=0.0 if p_top == 1.0 else 0.15, seed=i)
-        out = SpeculativeGenerator(model, oracle).generate(input_ids, max_new_tokens=max_new)
-        assert out.sequences.tolist() == expected.tolist()
-        total_steps += out.stats.steps
-        total_tokens += out.stats.new_tokens - 1  # the first token comes from the prefill
-    tau = total_tokens / total_steps
+    tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(model, OracleHeads(
+        model, reference, p_top=p_top, p_wrong=0.0 if p_top == 1.0 else 0.15, seed=i)), 6, seed=2)
     assert tau > (4.0 if p_top == 1.0 else 2.0), tau  # long paths (through side branches) were really accepted
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from conftest import greedy_reference, random_heads, tiny_model
-from test_greedy import _prompts
+from test_greedy import assert_matches_greedy, oracle_tau
 from transformers import DynamicCache, GenerationConfig
 
 from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MTPHeads
@@ -195,26 +195,14 @@ def test_dynamic_tree_specs():
 # ---- greedy identity -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tree", ["dynamic", "dynamic:nodes=6,topk=3,depth=5", "dynamic:2"])
 def test_random_mtp_heads_match_greedy(model, tree):
-    gen = SpeculativeGenerator(model, random_mtp(model), tree=tree)
-    for input_ids, max_new in _prompts(6, model.config.vocab_size, seed=4):
-        expected = greedy_reference(model, input_ids, max_new)
-        out = gen.generate(input_ids, max_new_tokens=max_new)
-        assert out.sequences.tolist() == expected.tolist()
+    assert_matches_greedy(SpeculativeGenerator(model, random_mtp(model), tree=tree), model, 6, seed=4)
 
 
 @pytest.mark.parametrize("p_top", [1.0, 0.6])
 def test_oracle_mtp_heads_match_greedy_with_long_acceptance(model, p_top):
-    steps = tokens = 0
-    for i, (input_ids, max_new) in enumerate(_prompts(5, model.config.vocab_size, seed=5)):
-        max_new += 20
-        expected = greedy_reference(model, input_ids, max_new)
-        oracle = OracleMTP(model, greedy_reference(model, input_ids, max_new + 8), p_top=p_top, seed=i)
-        out = SpeculativeGenerator(model, oracle, tree="dynamic:nodes=16,topk=3,depth=4").generate(
-            input_ids, max_new_tokens=max_new)
-        assert out.sequences.tolist() == expected.tolist()
-        steps += out.stats.steps
-        tokens += out.stats.new_tokens - 1
-    assert tokens / steps > (4.0 if p_top == 1.0 else 2.5), tokens / steps
+    tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(
+        model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4"), 5, seed=5)
+    assert tau > (4.0 if p_top == 1.0 else 2.5), tau
 
 
 def test_mtp_hybrid_and_sampling_run(model):
