@@ -15,8 +15,8 @@ from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_h
 from .decoding import accept_greedy, commit, propose, verify
 from .draft_vocab import DraftVocab
 from .dynamic_tree import DynamicTreeConfig, MTPDrafter
-from .lookup import DRAFT_MODES, LOOKUP, SOURCE_NAMES, LookupConfig, LookupReliability, NgramIndex, merge_branch, \
-    share_budget
+from .lookup import DRAFT_MODES, HEADS, LOOKUP, SOURCE_NAMES, HeadsCalibration, LookupConfig, LookupReliability, \
+    NgramIndex, merge_branch, share_budget
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 from .tree import Tree, chain, parse_tree
@@ -248,6 +248,7 @@ class SpeculativeGenerator:
             # hybrid: the branch is offered whole and the shared budget decides how much of it is kept
             lookup_len = self.lookup.max_len if self.draft == "hybrid" else self.lookup.start_len
             reliability = LookupReliability()
+            calibration = HeadsCalibration()  # hybrid: how the heads' values compare with what is accepted here
         while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
             t0 = time.perf_counter()
@@ -268,8 +269,9 @@ class SpeculativeGenerator:
                     budget = max(self.dynamic.nodes if self.dynamic else len(self.tree), len(branch) + 1)
                     # sized from the cached latency table only (no wall-clock input): a seeded generation picks the
                     # same trees, hence the same samples, every time
-                    tokens, buffers, sources = share_budget(tokens, buffers, values, branch, reliability.p, budget,
-                                                            self.latency)
+                    latency = self.latency.at(prefix_len) if self.latency is not None else None
+                    tokens, buffers, sources, heads_values = share_budget(
+                        tokens, buffers, values, branch, reliability.p, budget, latency, calibration.scale)
                 elif branch:
                     tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
             t1 = time.perf_counter()
@@ -304,6 +306,7 @@ class SpeculativeGenerator:
                 if self.draft == "hybrid":
                     if branch:
                         reliability.update(int(((sources & LOOKUP) > 0).sum()), from_lookup)  # kept lookup nodes
+                    calibration.update(float(heads_values[1:].sum()), sum(1 for src in path_sources if src & HEADS))
                 else:
                     lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)
             if use_lookup:

@@ -8,6 +8,7 @@ token the heads already proposed at that place, the node is shared (deduplicated
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -125,23 +126,52 @@ class LookupReliability:
         self.failures = self.decay * self.failures + (1 if accepted < proposed else 0)
 
 
+@dataclass
+class HeadsCalibration:
+    """How the heads' acceptance estimates compare with what this generation accepts: a decayed ratio of accepted heads
+    tokens to the tokens the kept heads nodes' values promised (their sum is the expected count when the values are
+    path probabilities). ``share_budget`` multiplies heads values by it, so on text the heads guess badly (a
+    translation the lookup branch copies) their nodes stop taking budget and verify time, and on text they guess well
+    they win more. Starts at 1 (the values as given)."""
+
+    decay: float = 0.8
+    observed: float = 1.0
+    expected: float = 1.0
+    bounds: tuple[float, float] = (0.05, 3.0)
+
+    @property
+    def scale(self) -> float:
+        return min(self.bounds[1], max(self.bounds[0], self.observed / max(self.expected, 1e-9)))
+
+    def update(self, expected: float, observed: int) -> None:
+        self.observed = self.decay * self.observed + observed
+        self.expected = self.decay * self.expected + expected
+
+
+class SharedTree(NamedTuple):
+    tokens: torch.Tensor  # [N] kept tree tokens, root first
+    buffers: TreeBuffers
+    sources: torch.Tensor  # [N] HEADS / LOOKUP bits
+    heads_values: torch.Tensor  # [N] the heads' own (unscaled) value of each kept node; 0 for lookup-only nodes
+
+
 def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branch: list[int], p_lookup: float,
-                 budget: int, latency: dict[int, float] | None = None) -> tuple[torch.Tensor, TreeBuffers,
-                                                                                torch.Tensor]:
+                 budget: int, latency: dict[int, float] | None = None, heads_scale: float = 1.0) -> SharedTree:
     """Merge a lookup branch into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
 
-    values [N]: each heads node's estimated probability that its path is accepted (root: 1). A lookup node at depth j
-    is worth p_lookup**j; a node both proposed is worth the larger. Values never grow along a path, so the kept set
-    (best first, shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify
-    forward per node count, measured on this machine) the budget itself is chosen per step: the n <= budget that
-    maximises (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second. Returns
-    tokens, buffers, sources (HEADS / LOOKUP bits) of the kept tree.
+    values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
+    ``heads_scale`` (a ``HeadsCalibration``). A lookup node at depth j is worth p_lookup**j; a node both proposed is
+    worth the larger. Values never grow along a path, so the kept set (best first, shallower first on ties) holds each
+    kept node's parent. With ``latency`` (seconds of one verify forward per node count, measured on this machine) the
+    budget itself is chosen per step: the n <= budget that maximises (1 + sum of the n-1 best values) / latency(n),
+    i.e. expected tokens per second.
     """
     merged, merged_buffers, sources = merge_branch(tokens, buffers, branch) if branch else \
         (tokens, buffers, torch.full((tokens.numel(),), HEADS, dtype=torch.long))
     n_heads = tokens.numel()
     depths = merged_buffers.depths.float()
-    worth = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads)])
+    own = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads)])  # the heads' values, unscaled
+    worth = (own * heads_scale).clamp(max=1.0)
     from_lookup = (sources & LOOKUP) > 0
     worth = torch.where(from_lookup, torch.maximum(worth, p_lookup ** depths), worth)
     worth[0] = float("inf")  # the root always stays
@@ -150,15 +180,15 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     if latency is not None:
         from .tree_search import interpolate
 
-        gains = worth[ranked[1:budget]].clamp(max=1.0).cumsum(0).tolist()  # expected accepted tokens of n-1 nodes
+        gains = worth[ranked[1:budget]].cumsum(0).tolist()  # expected accepted tokens of n-1 nodes
         budget = max(range(1, min(budget, merged.numel()) + 1),
                      key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / interpolate(latency, n))
     if merged.numel() <= budget:
-        return merged, merged_buffers, sources
+        return SharedTree(merged, merged_buffers, sources, own)
     order = ranked[:budget]
     keep = sorted(order)  # original order: parents before children
     new_index = {old: new for new, old in enumerate(keep)}
     parents = merged_buffers.parents.tolist()
     out_buffers = compile_buffers([0] + [new_index[parents[i]] for i in keep[1:]])
     keep_t = torch.tensor(keep)
-    return merged[keep_t], out_buffers, sources[keep_t]
+    return SharedTree(merged[keep_t], out_buffers, sources[keep_t], own[keep_t])

@@ -17,6 +17,7 @@ import json
 import platform
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -37,6 +38,7 @@ CALIBRATION_PROMPTS = (
     "Describe the water cycle for a ten-year-old.",
 )
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+CALIBRATION_VERSION = 2  # bumped when the calibration method changes, so stale cached choices are not reused
 
 
 def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tuple[tuple[int, ...], float]]:
@@ -100,8 +102,10 @@ def choose_tree(ordered: list[tuple[tuple[int, ...], float]], latency: dict[int,
 # ---- measurements on this machine ------------------------------------------------------------------------------
 @torch.inference_mode()
 def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int = 256,
-                    repeats: int = 5) -> dict[int, float]:
-    """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len`` (min over repeats)."""
+                    repeats: int = 7) -> dict[int, float]:
+    """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len``: per size, the minimum over
+    ``repeats`` rounds that each time through every size (a slow spell of a shared machine then hits all sizes alike,
+    and the minimum drops it). Raw and still noisy: ``fit_latency`` turns it into the table the search uses."""
     vocab = model.get_output_embeddings().weight.shape[0]
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None:  # stay inside the backbone's context
@@ -109,17 +113,46 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
     gen = torch.Generator().manual_seed(0)
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen), past_key_values=cache, use_cache=True)
-    out = {}
-    for n in sizes:
-        ids = torch.randint(vocab, (1, n), generator=gen)
-        best = float("inf")
-        for _ in range(repeats):
+    out = dict.fromkeys(sizes, float("inf"))
+    for _ in range(repeats):
+        for n in sizes:
+            ids = torch.randint(vocab, (1, n), generator=gen)
             start = time.perf_counter()
             model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-            best = min(best, time.perf_counter() - start)
+            out[n] = min(out[n], time.perf_counter() - start)
             cache.crop(-n)
-        out[n] = best
     return out
+
+
+def fit_latency(measured: dict[int, float]) -> dict[int, float]:
+    """The measured latencies smoothed into a curve that never decreases in n: one token as measured (attention runs
+    a cheaper unmasked path for a single query, markedly so over a long cache), and from two tokens on a flat-then-
+    linear ``a + b * max(0, n - knee)`` with b >= 0, fitted by least squares (the knee is the measured size that fits
+    best). Forward cost is flat while the hardware has idle lanes and then grows with the tokens; a raw table instead
+    carries the machine's noise (on a shared 2-core CPU one run measured 12 tokens faster than 1), which would tell
+    the tree search that extra nodes are free. Returns the curve at the measured sizes."""
+    sizes = sorted(n for n in measured if n >= 2)
+    out = {}
+    if len(sizes) >= 2:
+        ys = [measured[n] for n in sizes]
+        mean_y = sum(ys) / len(ys)
+        best = (sum((y - mean_y) ** 2 for y in ys), mean_y, 0.0, sizes[-1])  # (error, a, b, knee): flat
+        for knee in sizes[:-1]:
+            xs = [max(0, n - knee) for n in sizes]
+            mean_x = sum(xs) / len(xs)
+            var = sum((x - mean_x) ** 2 for x in xs)
+            b = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var)
+            a = mean_y - b * mean_x
+            error = sum((a + b * x - y) ** 2 for x, y in zip(xs, ys))
+            if error < best[0]:
+                best = (error, a, b, knee)
+        _, a, b, knee = best
+        out = {n: a + b * max(0, n - knee) for n in sizes}
+    else:
+        out = {n: measured[n] for n in sizes}
+    if 1 in measured:
+        out[1] = min(measured[1], out[sizes[0]]) if sizes else measured[1]
+    return dict(sorted(out.items()))
 
 
 def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int):
@@ -168,21 +201,50 @@ def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
     return max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1)
 
 
-def cached_latency(model, cache_root: Path | None = None, refresh: bool = False) -> dict[int, float]:
-    """``measure_latency`` of this backbone on this machine, measured once and cached (a few seconds)."""
+@dataclass
+class VerifyLatency:
+    """Verify latency per node count at a few cache lengths: attention over the cache makes each extra node dearer in
+    a long context (SmolLM2 bf16 on 2 cores: ~0.8 ms a node over 256 cached tokens, ~1.5 ms over 1,500)."""
+
+    tables: dict[int, dict[int, float]]  # cached tokens -> {nodes: seconds} (fitted: never decreasing in nodes)
+
+    def at(self, prefix_len: int) -> dict[int, float]:
+        """The table for a cache of ``prefix_len`` tokens: linear in the cache length between the measured lengths,
+        extended along the last segment past the longest, and the shortest's table below it."""
+        lengths = sorted(self.tables)
+        if prefix_len <= lengths[0] or len(lengths) == 1:
+            return self.tables[lengths[0]]
+        hi = next((length for length in lengths if length >= prefix_len), lengths[-1])
+        lo = lengths[lengths.index(hi) - 1]
+        w = (prefix_len - lo) / (hi - lo)
+        table, floor = {}, 0.0
+        for n in sorted(self.tables[lo]):
+            floor = max(floor, (1 - w) * self.tables[lo][n] + w * self.tables[hi][n])
+            table[n] = floor
+        return table
+
+
+def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
+                   prefix_lens: Sequence[int] = (256, 1024)) -> VerifyLatency:
+    """The fitted verify latency (``fit_latency`` of ``measure_latency``) of this backbone on this machine at a few
+    cache lengths, measured once and cached (~10 s on a 2-core CPU)."""
     from tokenmaxx.heads import backbone_identity
 
     machine = machine_fingerprint(model)
     shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
                                                           "vocab_size", "intermediate_size")}
-    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency"], sort_keys=True,
-                                    default=str).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency", list(prefix_lens),
+                                     CALIBRATION_VERSION], sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = _cache_path(f"latency-{key}", cache_root)
     if path.is_file() and not refresh:
-        return {int(n): s for n, s in json.loads(path.read_text())["latency"].items()}
-    latency = measure_latency(model)
-    _write_record(path, {"latency": latency, "machine": machine})
-    return latency
+        record = json.loads(path.read_text())
+        return VerifyLatency({int(p): {int(n): s for n, s in table.items()} for p, table in record["tables"].items()})
+    context = getattr(model.config, "max_position_embeddings", None) or max(prefix_lens) + max(LATENCY_SIZES)
+    lengths = sorted({max(1, min(p, context - max(LATENCY_SIZES))) for p in prefix_lens})
+    measured = {p: measure_latency(model, prefix_len=p) for p in lengths}
+    tables = {p: fit_latency(m) for p, m in measured.items()}
+    _write_record(path, {"tables": tables, "measured": measured, "machine": machine})
+    return VerifyLatency(tables)
 
 
 # ---- caching ------------------------------------------------------------------------------------------------------
@@ -220,7 +282,8 @@ def calibration_key(model, heads, machine: dict) -> str:
     from tokenmaxx.heads import backbone_identity
 
     digest = hashlib.sha256()
-    digest.update(json.dumps([backbone_identity(model), machine], sort_keys=True, default=str).encode())
+    digest.update(json.dumps([backbone_identity(model), machine, CALIBRATION_VERSION], sort_keys=True,
+                             default=str).encode())
     for name, tensor in sorted(heads.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
@@ -235,12 +298,13 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
     if path.is_file() and not refresh:
         return Tree(json.loads(path.read_text())["tree"])
     ranks = calibrate_ranks(model, heads, tokenizer)
-    latency = measure_latency(model)
+    measured = measure_latency(model)
+    latency = fit_latency(measured)
     overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]))
     tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
                               max_depth=heads.config.num_heads)
     _write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
-                         "overhead": overhead, "positions": ranks.shape[0], "table": table})
+                         "measured_latency": measured, "overhead": overhead, "positions": ranks.shape[0], "table": table})
     return tree
 
 
@@ -299,7 +363,8 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     if path.is_file() and not refresh:
         return DynamicTreeConfig(**json.loads(path.read_text())["dynamic_tree"])
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
-    latency = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
+    measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
+    latency = fit_latency(measured)
     # drafting cost grows with the budget (more levels survive the pruning): measure the overhead of each one
     loop = {n: measure_overhead(model, heads, tokenizer, DynamicTreeConfig(nodes=n, topk=config.topk,
                                                                            depth=config.depth)) for n in taus}
@@ -308,6 +373,6 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     best = max(table, key=lambda row: row["tokens_per_s"])
     chosen = DynamicTreeConfig(nodes=best["nodes"], topk=config.topk, depth=config.depth)
     _write_record(path, {"dynamic_tree": {"nodes": chosen.nodes, "topk": chosen.topk, "depth": chosen.depth},
-                         "machine": machine, "latency": latency, "overhead": loop, "propose_seconds": propose_s,
+                         "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop, "propose_seconds": propose_s,
                          "table": table})
     return chosen

@@ -95,6 +95,33 @@ def test_interpolation():
     assert interpolate(lat, 24) == 6.0  # extrapolated from the last segment
 
 
+def test_fit_latency_recovers_flat_then_linear_and_never_decreases():
+    from tokenmaxx.inference.tree_search import fit_latency
+
+    # exact flat-then-linear data from 2 tokens on (knee at 8, 0.1 s a token), a cheaper single token
+    exact = {1: 1.0, 2: 1.2, 4: 1.2, 8: 1.2, 16: 2.0, 32: 3.6}
+    fitted = fit_latency(exact)
+    assert fitted == pytest.approx(exact)
+    # a shared machine's noise: 12 tokens measured faster than 1 and a spike at 24; the fit still rises with n
+    noisy = {1: 0.645, 2: 0.673, 4: 0.718, 6: 0.807, 8: 0.778, 12: 0.630, 16: 0.667, 20: 0.773, 24: 1.311, 32: 0.956,
+             48: 0.903, 64: 1.100}
+    fitted = fit_latency(noisy)
+    values = [fitted[n] for n in sorted(fitted)]
+    assert all(a <= b for a, b in zip(values, values[1:]))
+    assert fitted[12] >= fitted[1] and fitted[64] > fitted[2]  # nodes are not free, a long tree costs more
+    assert fit_latency({1: 0.5, 2: 0.4}) == {1: 0.4, 2: 0.4}  # too few sizes to fit: as measured, kept monotone
+
+
+def test_verify_latency_between_cache_lengths():
+    from tokenmaxx.inference.tree_search import VerifyLatency
+
+    latency = VerifyLatency({100: {1: 1.0, 8: 2.0}, 300: {1: 2.0, 8: 5.0}})
+    assert latency.at(50) == {1: 1.0, 8: 2.0}  # shorter than measured: the shortest cache's table
+    assert latency.at(200) == pytest.approx({1: 1.5, 8: 3.5})
+    assert latency.at(500) == pytest.approx({1: 3.0, 8: 8.0})  # extended along the last segment
+    assert VerifyLatency({100: {1: 1.0}}).at(1000) == {1: 1.0}
+
+
 def test_calibration_key_changes_with_machine():
     model = tiny_model("llama")
     heads = random_heads(model)

@@ -128,16 +128,16 @@ def test_share_budget_gives_nodes_to_the_likelier_source():
     values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
     branch = [20, 21, 22]
     # reliable lookup: 0.9, 0.81, 0.73 beat every heads node but a (0.5): budget 5 keeps root, 3 lookup nodes, a
-    out, buffers, sources = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.9, budget=5)
+    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.9, budget=5)
     assert sorted(out.tolist()) == [9, 10, 20, 21, 22]
     assert (sources == LOOKUP).sum() == 3 and buffers.num_nodes == 5
     # unreliable lookup: 0.1, 0.01, ...: only its first node beats the weakest heads node (11: 0.05)
-    out, buffers, sources = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.1, budget=5)
+    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.1, budget=5)
     assert sorted(out.tolist()) == [9, 10, 12, 13, 20]
     parents = buffers.parents.tolist()
     assert all(parents[i] < i for i in range(1, len(parents)))  # prefix-closed, parents first
     # a branch that starts with a heads token shares that node (worth the larger value) and continues below it
-    out, buffers, sources = share_budget(tokens, tree.buffers, values, [10, 12, 30], p_lookup=0.9, budget=4)
+    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, [10, 12, 30], p_lookup=0.9, budget=4)
     assert out.tolist() == [9, 10, 12, 30] and sources.tolist() == [HEADS, HEADS | LOOKUP, LOOKUP, LOOKUP]
     # the reliability estimate moves with what was accepted
     rel = LookupReliability()
@@ -149,6 +149,29 @@ def test_share_budget_gives_nodes_to_the_likelier_source():
     assert high > 0.9 and rel.p < 0.3
 
 
+def test_heads_calibration_moves_budget_between_sources():
+    from tokenmaxx.inference.lookup import HeadsCalibration, share_budget
+
+    tree = Tree([(0,), (0, 0), (1,), (2,)])
+    tokens = torch.tensor([9, 10, 12, 11, 13])
+    values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
+    branch = [20, 21, 22]  # p = 0.4: 0.4, 0.16, 0.064
+    out, _, sources, heads_values = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.4, budget=4)
+    assert out.tolist() == [9, 10, 13, 20]  # heads as promised: 0.5, 0.3 beat 0.16
+    assert heads_values.tolist() == pytest.approx([1.0, 0.5, 0.3, 0.0])  # the heads' own values, unscaled
+    # heads that deliver a tenth of what their values promise: their nodes are worth 0.05, 0.03, ...
+    calibration = HeadsCalibration()
+    for _ in range(20):
+        calibration.update(expected=1.0, observed=0)
+    assert calibration.scale == pytest.approx(0.05)  # clamped at the lower bound
+    out, _, sources, _ = share_budget(tokens, tree.buffers, values, branch, 0.4, budget=4,
+                                      heads_scale=calibration.scale)
+    assert out.tolist() == [9, 20, 21, 22] and (sources == LOOKUP).sum() == 3
+    for _ in range(20):
+        calibration.update(expected=1.0, observed=2)
+    assert calibration.scale == pytest.approx(2.0, abs=0.05)
+
+
 def test_share_budget_sizes_the_tree_from_the_latency_table():
     from tokenmaxx.inference.lookup import share_budget
 
@@ -157,11 +180,11 @@ def test_share_budget_sizes_the_tree_from_the_latency_table():
     values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
     branch = [20, 21]  # with p = 0.9: 0.9, 0.81
     flat = {1: 0.10, 8: 0.10}  # verifying more nodes is free: keep the whole budget
-    out, _, _ = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=flat)
+    out, _, _, _ = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=flat)
     assert out.numel() == 7
     steep = {1: 0.10, 2: 0.10, 3: 0.10, 4: 0.30}  # a 4th node triples the cost: 3 nodes (root + 0.9 + 0.81)
-    out, _, sources = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=steep)
+    out, _, sources, _ = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=steep)
     assert out.tolist() == [9, 20, 21] and (sources == LOOKUP).sum() == 2
     # no branch: the heads tree alone, trimmed the same way
-    out, buffers, sources = share_budget(tokens, tree.buffers, values, [], 0.9, budget=7, latency=steep)
+    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, [], 0.9, budget=7, latency=steep)
     assert out.tolist() == [9, 10, 13] and (sources == HEADS).all() and buffers.parents.tolist() == [0, 0, 1]
