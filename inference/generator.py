@@ -247,7 +247,8 @@ class SpeculativeGenerator:
             index.extend(input_ids[0].tolist() + [root])
             # hybrid: the branch is offered whole and the shared budget decides how much of it is kept
             lookup_len = self.lookup.max_len if self.draft == "hybrid" else self.lookup.start_len
-            reliability = LookupReliability()
+            # hybrid: one acceptance estimate per branch rank (most recent match first)
+            reliability = [LookupReliability() for _ in range(self.lookup.branches if self.draft == "hybrid" else 1)]
             calibration = HeadsCalibration()  # hybrid: how the heads' values compare with what is accepted here
         while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
@@ -264,16 +265,20 @@ class SpeculativeGenerator:
                 values = _static_values(tree) if self.draft == "hybrid" else None
             sources = None
             if use_lookup:
-                branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
                 if self.draft == "hybrid":  # lookup and heads nodes share the node budget, sized per step
-                    budget = max(self.dynamic.nodes if self.dynamic else len(self.tree), len(branch) + 1)
+                    branches = index.continuations(min(lookup_len, room), self.lookup.min_ngram, self.lookup.branches)
+                    budget = max(self.dynamic.nodes if self.dynamic else len(self.tree),
+                                 max((len(b) for b in branches), default=0) + 1)
                     # sized from the cached latency table only (no wall-clock input): a seeded generation picks the
                     # same trees, hence the same samples, every time
                     latency = self.latency.at(prefix_len) if self.latency is not None else None
-                    tokens, buffers, sources, heads_values = share_budget(
-                        tokens, buffers, values, branch, reliability.p, budget, latency, calibration.scale)
-                elif branch:
-                    tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
+                    tokens, buffers, sources, heads_values, branch_nodes = share_budget(
+                        tokens, buffers, values, branches, [r.p for r in reliability], budget, latency,
+                        calibration.scale)
+                else:
+                    branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
+                    if branch:
+                        tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
             t1 = time.perf_counter()
             verified = verify(self.model, cache, tokens, buffers, prefix_len)
             t2 = time.perf_counter()
@@ -304,8 +309,10 @@ class SpeculativeGenerator:
                     stats.accepted_by_source[SOURCE_NAMES[src]] += 1
                 from_lookup = sum(1 for src in path_sources if src & LOOKUP)
                 if self.draft == "hybrid":
-                    if branch:
-                        reliability.update(int(((sources & LOOKUP) > 0).sum()), from_lookup)  # kept lookup nodes
+                    for rel, nodes in zip(reliability, branch_nodes):  # kept nodes of each branch, accepted ones
+                        if nodes:
+                            rel.update(len(nodes), next((i for i, (a, b) in enumerate(zip(path, nodes)) if a != b),
+                                                        min(len(path), len(nodes))))
                     calibration.update(float(heads_values[1:].sum()), sum(1 for src in path_sources if src & HEADS))
                 else:
                     lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)

@@ -29,10 +29,14 @@ class LookupConfig:
     start_len: int = field(default=8, metadata={"help": "branch length at the start of a generation"})
     min_len: int = field(default=2, metadata={"help": "shortest branch"})
     max_len: int = field(default=16, metadata={"help": "longest branch"})
+    branches: int = field(default=3, metadata={
+        "help": "hybrid: distinct continuations offered as branches (earlier occurrences of the matched n-gram)"})
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.branches < 1:
+            raise ValueError(f"need branches >= 1, got {self.branches}")
         if not 1 <= self.min_len <= self.start_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= start_len <= max_len, got {self.min_len}, {self.start_len}, "
                              f"{self.max_len}")
@@ -44,17 +48,17 @@ class LookupConfig:
 
 @dataclass
 class NgramIndex:
-    """Most recent occurrence of every n-gram (n = 1..max_ngram) of a growing token sequence."""
+    """Every occurrence of every n-gram (n = 1..max_ngram) of a growing token sequence."""
 
     max_ngram: int = 3
     tokens: list[int] = field(default_factory=list)
-    _last: list[dict[tuple[int, ...], int]] = field(default_factory=list)  # [n-1]: n-gram -> end position (exclusive)
+    _ends: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)  # [n-1]: n-gram -> end positions
     _indexed: int = 0  # n-grams ending before this position are in the index
 
     def __post_init__(self):
         if self.max_ngram < 1:
             raise ValueError(f"max_ngram must be >= 1, got {self.max_ngram}")
-        self._last = [{} for _ in range(self.max_ngram)]
+        self._ends = [{} for _ in range(self.max_ngram)]
 
     def extend(self, new_tokens) -> None:
         self.tokens.extend(int(t) for t in new_tokens)
@@ -63,48 +67,74 @@ class NgramIndex:
         # index every n-gram that ends before the last token (the suffix being matched must not match itself)
         for end in range(self._indexed + 1, len(self.tokens)):
             for n in range(1, min(self.max_ngram, end) + 1):
-                self._last[n - 1][tuple(self.tokens[end - n:end])] = end
+                self._ends[n - 1].setdefault(tuple(self.tokens[end - n:end]), []).append(end)
         self._indexed = max(self._indexed, len(self.tokens) - 1)
 
-    def continuation(self, max_len: int, min_ngram: int = 1) -> list[int]:
-        """Tokens that followed the most recent earlier occurrence of the longest matching suffix (may be [])."""
+    def continuations(self, max_len: int, min_ngram: int = 1, count: int = 1, scan: int = 16) -> list[list[int]]:
+        """Up to ``count`` distinct continuations (each at most ``max_len`` tokens) of the longest suffix n-gram that
+        occurred before, from its most recent occurrence backwards (the ``scan`` most recent ones)."""
         if max_len <= 0 or not self.tokens:
             return []
         self._catch_up()
         for n in range(min(self.max_ngram, len(self.tokens)), min_ngram - 1, -1):
-            end = self._last[n - 1].get(tuple(self.tokens[-n:]))
-            if end is not None:
-                return self.tokens[end:end + max_len]
+            ends = self._ends[n - 1].get(tuple(self.tokens[-n:]))
+            if ends:
+                found: list[list[int]] = []
+                for end in reversed(ends[-scan:]):
+                    cont = self.tokens[end:end + max_len]
+                    if cont not in found:
+                        found.append(cont)
+                        if len(found) == count:
+                            break
+                return found
         return []
 
+    def continuation(self, max_len: int, min_ngram: int = 1) -> list[int]:
+        """Tokens that followed the most recent earlier occurrence of the longest matching suffix (may be [])."""
+        found = self.continuations(max_len, min_ngram)
+        return found[0] if found else []
 
-def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) -> tuple[torch.Tensor, TreeBuffers,
-                                                                                            torch.Tensor]:
-    """Add a draft branch below the root of a tree, sharing nodes where the tokens coincide.
 
-    tokens: [N] tree tokens (node 0 = root). Returns (tokens [N'], buffers, sources [N'] of HEADS/LOOKUP bits).
+def merge_branches(tokens: torch.Tensor, buffers: TreeBuffers, branches: list[list[int]]
+                   ) -> tuple[torch.Tensor, TreeBuffers, torch.Tensor, list[list[int]]]:
+    """Add draft branches below the root of a tree, sharing nodes where the tokens coincide (with the tree or with
+    an earlier branch).
+
+    tokens: [N] tree tokens (node 0 = root). Returns (tokens [N'], buffers, sources [N'] of HEADS/LOOKUP bits, the
+    node indices along each branch).
     """
     parents = buffers.parents.tolist()
     toks = tokens.tolist()
     sources = [HEADS] * len(toks)
     child_of = {(parents[i], toks[i]): i for i in range(1, len(toks))}
-    node = 0
-    for tok in branch:
-        nxt = child_of.get((node, tok))
-        if nxt is None:
-            nxt = len(toks)
-            toks.append(tok)
-            parents.append(node)
-            sources.append(LOOKUP)
-            child_of[(node, tok)] = nxt
-        else:
-            sources[nxt] |= LOOKUP
-        node = nxt
-    if len(toks) == tokens.numel():  # the branch was already in the tree
+    paths = []
+    for branch in branches:
+        node, path = 0, []
+        for tok in branch:
+            nxt = child_of.get((node, tok))
+            if nxt is None:
+                nxt = len(toks)
+                toks.append(tok)
+                parents.append(node)
+                sources.append(LOOKUP)
+                child_of[(node, tok)] = nxt
+            else:
+                sources[nxt] |= LOOKUP
+            node = nxt
+            path.append(node)
+        paths.append(path)
+    if len(toks) == tokens.numel():  # every branch was already in the tree
         out_buffers = buffers
     else:
         out_buffers = compile_buffers(parents)
-    return torch.tensor(toks), out_buffers, torch.tensor(sources)
+    return torch.tensor(toks), out_buffers, torch.tensor(sources), paths
+
+
+def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) -> tuple[torch.Tensor, TreeBuffers,
+                                                                                            torch.Tensor]:
+    """``merge_branches`` with one branch: (tokens [N'], buffers, sources [N'])."""
+    merged, out_buffers, sources, _ = merge_branches(tokens, buffers, [branch])
+    return merged, out_buffers, sources
 
 
 @dataclass
@@ -153,27 +183,34 @@ class SharedTree(NamedTuple):
     buffers: TreeBuffers
     sources: torch.Tensor  # [N] HEADS / LOOKUP bits
     heads_values: torch.Tensor  # [N] the heads' own (unscaled) value of each kept node; 0 for lookup-only nodes
+    branch_nodes: list[list[int]]  # per branch: the kept nodes along it, from the root's child down
 
 
-def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branch: list[int], p_lookup: float,
-                 budget: int, latency: dict[int, float] | None = None, heads_scale: float = 1.0) -> SharedTree:
-    """Merge a lookup branch into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
+def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branches: list[list[int]],
+                 p_lookup: list[float], budget: int, latency: dict[int, float] | None = None,
+                 heads_scale: float = 1.0) -> SharedTree:
+    """Merge lookup branches into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
 
     values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
-    ``heads_scale`` (a ``HeadsCalibration``). A lookup node at depth j is worth p_lookup**j; a node both proposed is
-    worth the larger. Values never grow along a path, so the kept set (best first, shallower first on ties) holds each
-    kept node's parent. With ``latency`` (seconds of one verify forward per node count, measured on this machine) the
-    budget itself is chosen per step: the n <= budget that maximises (1 + sum of the n-1 best values) / latency(n),
-    i.e. expected tokens per second.
+    ``heads_scale`` (a ``HeadsCalibration``). A node at depth j of lookup branch b is worth p_lookup[b]**j (the best
+    over the branches through it); a node also proposed by the heads is worth the larger. Values never grow along a
+    path, so the kept set (best first, shallower first on ties) holds each kept node's parent. With ``latency``
+    (seconds of one verify forward per node count, measured on this machine) the budget itself is chosen per step:
+    the n <= budget that maximises (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second.
     """
-    merged, merged_buffers, sources = merge_branch(tokens, buffers, branch) if branch else \
-        (tokens, buffers, torch.full((tokens.numel(),), HEADS, dtype=torch.long))
+    if len(p_lookup) < len(branches):
+        raise ValueError(f"{len(branches)} lookup branches but {len(p_lookup)} reliabilities")
+    merged, merged_buffers, sources, paths = merge_branches(tokens, buffers, branches)
     n_heads = tokens.numel()
     depths = merged_buffers.depths.float()
     own = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads)])  # the heads' values, unscaled
     worth = (own * heads_scale).clamp(max=1.0)
-    from_lookup = (sources & LOOKUP) > 0
-    worth = torch.where(from_lookup, torch.maximum(worth, p_lookup ** depths), worth)
+    base = torch.zeros(merged.numel())  # per node: the best reliability of the branches through it
+    for path, p in zip(paths, p_lookup):
+        if path:
+            index = torch.tensor(path)
+            base[index] = torch.maximum(base[index], torch.tensor(float(p)))
+    worth = torch.maximum(worth, torch.where(base > 0, base ** depths, torch.zeros(())))
     worth[0] = float("inf")  # the root always stays
     worth_list, depth_list = worth.tolist(), depths.tolist()
     ranked = sorted(range(merged.numel()), key=lambda i: (-worth_list[i], depth_list[i], i))
@@ -184,11 +221,18 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
         budget = max(range(1, min(budget, merged.numel()) + 1),
                      key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / interpolate(latency, n))
     if merged.numel() <= budget:
-        return SharedTree(merged, merged_buffers, sources, own)
-    order = ranked[:budget]
-    keep = sorted(order)  # original order: parents before children
+        return SharedTree(merged, merged_buffers, sources, own, paths)
+    keep = sorted(ranked[:budget])  # original order: parents before children
     new_index = {old: new for new, old in enumerate(keep)}
     parents = merged_buffers.parents.tolist()
     out_buffers = compile_buffers([0] + [new_index[parents[i]] for i in keep[1:]])
+    kept_paths = []
+    for path in paths:
+        kept = []
+        for node in path:
+            if node not in new_index:
+                break
+            kept.append(new_index[node])
+        kept_paths.append(kept)
     keep_t = torch.tensor(keep)
-    return SharedTree(merged[keep_t], out_buffers, sources[keep_t], own[keep_t])
+    return SharedTree(merged[keep_t], out_buffers, sources[keep_t], own[keep_t], kept_paths)

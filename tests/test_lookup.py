@@ -38,6 +38,18 @@ def test_index_grows_incrementally():
     assert index.continuation(5) == [1, 2, 3]  # (1, 2, 3) at 0..2 -> the rest
 
 
+def test_distinct_continuations_most_recent_first():
+    #      0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    seq = [5, 6, 1, 2, 5, 6, 3, 4, 5, 6, 1, 2, 5, 6]
+    # (5, 6) ended at 2, 6, 10 (and is the suffix): continuations from 10 ([1, 2]), 6 ([3, 4]); 2 repeats [1, 2]
+    assert _index(seq, max_ngram=2).continuations(2, count=3) == [[1, 2], [3, 4]]
+    assert _index(seq, max_ngram=2).continuations(2, count=1) == [[1, 2]]
+    assert _index(seq, max_ngram=2).continuations(3, count=3) == [[1, 2, 5], [3, 4, 5]]
+    # the longest matching n-gram decides, its occurrences only: the suffix trigram (2, 5, 6) occurred once, at 3..5
+    assert _index(seq, max_ngram=3).continuations(2, count=3) == [[3, 4]]
+    assert _index([1, 2, 3]).continuations(2, count=3) == []
+
+
 def test_suffix_never_matches_itself():
     assert _index([4, 4]).continuation(3, min_ngram=1) == [4]  # (4,) at 0 -> next is 4
     assert _index([7]).continuation(3, min_ngram=1) == []
@@ -128,16 +140,16 @@ def test_share_budget_gives_nodes_to_the_likelier_source():
     values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
     branch = [20, 21, 22]
     # reliable lookup: 0.9, 0.81, 0.73 beat every heads node but a (0.5): budget 5 keeps root, 3 lookup nodes, a
-    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.9, budget=5)
+    out, buffers, sources, *_ = share_budget(tokens, tree.buffers, values, [branch], p_lookup=[0.9], budget=5)
     assert sorted(out.tolist()) == [9, 10, 20, 21, 22]
     assert (sources == LOOKUP).sum() == 3 and buffers.num_nodes == 5
     # unreliable lookup: 0.1, 0.01, ...: only its first node beats the weakest heads node (11: 0.05)
-    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.1, budget=5)
+    out, buffers, sources, *_ = share_budget(tokens, tree.buffers, values, [branch], p_lookup=[0.1], budget=5)
     assert sorted(out.tolist()) == [9, 10, 12, 13, 20]
     parents = buffers.parents.tolist()
     assert all(parents[i] < i for i in range(1, len(parents)))  # prefix-closed, parents first
     # a branch that starts with a heads token shares that node (worth the larger value) and continues below it
-    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, [10, 12, 30], p_lookup=0.9, budget=4)
+    out, buffers, sources, *_ = share_budget(tokens, tree.buffers, values, [[10, 12, 30]], p_lookup=[0.9], budget=4)
     assert out.tolist() == [9, 10, 12, 30] and sources.tolist() == [HEADS, HEADS | LOOKUP, LOOKUP, LOOKUP]
     # the reliability estimate moves with what was accepted
     rel = LookupReliability()
@@ -149,6 +161,24 @@ def test_share_budget_gives_nodes_to_the_likelier_source():
     assert high > 0.9 and rel.p < 0.3
 
 
+def test_share_budget_with_several_branches():
+    from tokenmaxx.inference.lookup import share_budget
+
+    tree = Tree([(0,)])
+    tokens = torch.tensor([9, 10])
+    values = torch.tensor([1.0, 0.3])
+    # branch 0 (reliable) and branch 1 (less so) share their first token 20, then part; branch 2 starts like the heads
+    branches = [[20, 21, 22], [20, 30, 31], [10, 40]]
+    out, buffers, sources, _, kept = share_budget(tokens, tree.buffers, values, branches, [0.9, 0.5, 0.6], budget=6)
+    # worth: 20: max(0.9, 0.5) = 0.9, 21: 0.81, 22: 0.73, 10: max(0.3, 0.6) = 0.6, 30: 0.25, 40: 0.36, 31: 0.125
+    assert out.tolist() == [9, 10, 20, 21, 22, 40]
+    assert sources.tolist() == [HEADS, HEADS | LOOKUP, LOOKUP, LOOKUP, LOOKUP, LOOKUP]
+    assert kept == [[2, 3, 4], [2], [1, 5]]  # per branch, the kept nodes along it (new numbering)
+    assert buffers.parents.tolist() == [0, 0, 0, 2, 3, 1]
+    with pytest.raises(ValueError, match="3 lookup branches but 1 reliabilities"):
+        share_budget(tokens, tree.buffers, values, branches, [0.9], budget=6)
+
+
 def test_heads_calibration_moves_budget_between_sources():
     from tokenmaxx.inference.lookup import HeadsCalibration, share_budget
 
@@ -156,7 +186,7 @@ def test_heads_calibration_moves_budget_between_sources():
     tokens = torch.tensor([9, 10, 12, 11, 13])
     values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
     branch = [20, 21, 22]  # p = 0.4: 0.4, 0.16, 0.064
-    out, _, sources, heads_values = share_budget(tokens, tree.buffers, values, branch, p_lookup=0.4, budget=4)
+    out, _, sources, heads_values, _ = share_budget(tokens, tree.buffers, values, [branch], p_lookup=[0.4], budget=4)
     assert out.tolist() == [9, 10, 13, 20]  # heads as promised: 0.5, 0.3 beat 0.16
     assert heads_values.tolist() == pytest.approx([1.0, 0.5, 0.3, 0.0])  # the heads' own values, unscaled
     # heads that deliver a tenth of what their values promise: their nodes are worth 0.05, 0.03, ...
@@ -164,7 +194,7 @@ def test_heads_calibration_moves_budget_between_sources():
     for _ in range(20):
         calibration.update(expected=1.0, observed=0)
     assert calibration.scale == pytest.approx(0.05)  # clamped at the lower bound
-    out, _, sources, _ = share_budget(tokens, tree.buffers, values, branch, 0.4, budget=4,
+    out, _, sources, *_ = share_budget(tokens, tree.buffers, values, [branch], [0.4], budget=4,
                                       heads_scale=calibration.scale)
     assert out.tolist() == [9, 20, 21, 22] and (sources == LOOKUP).sum() == 3
     for _ in range(20):
@@ -180,11 +210,11 @@ def test_share_budget_sizes_the_tree_from_the_latency_table():
     values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
     branch = [20, 21]  # with p = 0.9: 0.9, 0.81
     flat = {1: 0.10, 8: 0.10}  # verifying more nodes is free: keep the whole budget
-    out, _, _, _ = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=flat)
+    out, *_ = share_budget(tokens, tree.buffers, values, [branch], [0.9], budget=7, latency=flat)
     assert out.numel() == 7
     steep = {1: 0.10, 2: 0.10, 3: 0.10, 4: 0.30}  # a 4th node triples the cost: 3 nodes (root + 0.9 + 0.81)
-    out, _, sources, _ = share_budget(tokens, tree.buffers, values, branch, 0.9, budget=7, latency=steep)
+    out, _, sources, *_ = share_budget(tokens, tree.buffers, values, [branch], [0.9], budget=7, latency=steep)
     assert out.tolist() == [9, 20, 21] and (sources == LOOKUP).sum() == 2
     # no branch: the heads tree alone, trimmed the same way
-    out, buffers, sources, _ = share_budget(tokens, tree.buffers, values, [], 0.9, budget=7, latency=steep)
+    out, buffers, sources, *_ = share_budget(tokens, tree.buffers, values, [], [], budget=7, latency=steep)
     assert out.tolist() == [9, 10, 13] and (sources == HEADS).all() and buffers.parents.tolist() == [0, 0, 1]
