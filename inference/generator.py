@@ -247,8 +247,10 @@ class SpeculativeGenerator:
             index.extend(input_ids[0].tolist() + [root])
             # hybrid: the branch is offered whole and the shared budget decides how much of it is kept
             lookup_len = self.lookup.max_len if self.draft == "hybrid" else self.lookup.start_len
-            # hybrid: one acceptance estimate per branch rank (most recent match first)
-            reliability = [LookupReliability() for _ in range(self.lookup.branches if self.draft == "hybrid" else 1)]
+            min_ngram = self.lookup.shortest_ngram(self.draft)
+            # hybrid: one acceptance estimate per (matched n-gram length, branch rank): a continuation of a matched
+            # trigram is surer than one of a single token, the most recent occurrence surer than older ones
+            reliability: dict[tuple[int, int], LookupReliability] = {}
             calibration = HeadsCalibration()  # hybrid: how the heads' values compare with what is accepted here
         while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
@@ -266,17 +268,19 @@ class SpeculativeGenerator:
             sources = None
             if use_lookup:
                 if self.draft == "hybrid":  # lookup and heads nodes share the node budget, sized per step
-                    branches = index.continuations(min(lookup_len, room), self.lookup.min_ngram, self.lookup.branches)
+                    matched, branches = index.continuations(min(lookup_len, room), min_ngram, self.lookup.branches)
+                    rels = [reliability.setdefault((matched, rank), LookupReliability())
+                            for rank in range(len(branches))]
                     budget = max(self.dynamic.nodes if self.dynamic else len(self.tree),
                                  max((len(b) for b in branches), default=0) + 1)
                     # sized from the cached latency table only (no wall-clock input): a seeded generation picks the
                     # same trees, hence the same samples, every time
                     latency = self.latency.at(prefix_len) if self.latency is not None else None
                     tokens, buffers, sources, heads_values, branch_nodes = share_budget(
-                        tokens, buffers, values, branches, [r.p for r in reliability], budget, latency,
+                        tokens, buffers, values, branches, [r.p for r in rels], budget, latency,
                         calibration.scale)
                 else:
-                    branch = index.continuation(min(lookup_len, room), self.lookup.min_ngram)
+                    branch = index.continuation(min(lookup_len, room), min_ngram)
                     if branch:
                         tokens, buffers, sources = merge_branch(tokens, buffers, branch)  # [N'], [N']
             t1 = time.perf_counter()
@@ -309,7 +313,7 @@ class SpeculativeGenerator:
                     stats.accepted_by_source[SOURCE_NAMES[src]] += 1
                 from_lookup = sum(1 for src in path_sources if src & LOOKUP)
                 if self.draft == "hybrid":
-                    for rel, nodes in zip(reliability, branch_nodes):  # kept nodes of each branch, accepted ones
+                    for rel, nodes in zip(rels, branch_nodes):  # kept nodes of each branch, accepted ones
                         if nodes:
                             rel.update(len(nodes), next((i for i, (a, b) in enumerate(zip(path, nodes)) if a != b),
                                                         min(len(path), len(nodes))))

@@ -25,7 +25,9 @@ class LookupConfig:
     partly rejected one, within [min_len, max_len] (the rule transformers uses for its assistant's draft length)."""
 
     max_ngram: int = field(default=3, metadata={"help": "longest suffix n-gram matched"})
-    min_ngram: int = field(default=2, metadata={"help": "shortest suffix n-gram matched (1 matches too eagerly)"})
+    min_ngram: int | None = field(default=None, metadata={
+        "help": "shortest suffix n-gram matched; default 2 for lookup drafting (1 matches too eagerly for a chain "
+                "nobody values), 1 for hybrid (each branch is valued by the measured acceptance of its match length)"})
     start_len: int = field(default=8, metadata={"help": "branch length at the start of a generation"})
     min_len: int = field(default=2, metadata={"help": "shortest branch"})
     max_len: int = field(default=16, metadata={"help": "longest branch"})
@@ -33,13 +35,19 @@ class LookupConfig:
         "help": "hybrid: distinct continuations offered as branches (earlier occurrences of the matched n-gram)"})
 
     def __post_init__(self):
-        if not 1 <= self.min_ngram <= self.max_ngram:
+        if self.min_ngram is not None and not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         if self.branches < 1:
             raise ValueError(f"need branches >= 1, got {self.branches}")
         if not 1 <= self.min_len <= self.start_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= start_len <= max_len, got {self.min_len}, {self.start_len}, "
                              f"{self.max_len}")
+
+    def shortest_ngram(self, draft: str) -> int:
+        """min_ngram, or the default of the draft mode."""
+        if self.min_ngram is not None:
+            return self.min_ngram
+        return 1 if draft == "hybrid" else 2
 
     def next_len(self, length: int, proposed: int, accepted: int) -> int:
         grown = length + 2 if proposed and accepted >= proposed else length - 1
@@ -70,11 +78,13 @@ class NgramIndex:
                 self._ends[n - 1].setdefault(tuple(self.tokens[end - n:end]), []).append(end)
         self._indexed = max(self._indexed, len(self.tokens) - 1)
 
-    def continuations(self, max_len: int, min_ngram: int = 1, count: int = 1, scan: int = 16) -> list[list[int]]:
+    def continuations(self, max_len: int, min_ngram: int = 1, count: int = 1,
+                      scan: int = 16) -> tuple[int, list[list[int]]]:
         """Up to ``count`` distinct continuations (each at most ``max_len`` tokens) of the longest suffix n-gram that
-        occurred before, from its most recent occurrence backwards (the ``scan`` most recent ones)."""
+        occurred before, from its most recent occurrence backwards (the ``scan`` most recent ones), and that n (0 and
+        [] when nothing matches)."""
         if max_len <= 0 or not self.tokens:
-            return []
+            return 0, []
         self._catch_up()
         for n in range(min(self.max_ngram, len(self.tokens)), min_ngram - 1, -1):
             ends = self._ends[n - 1].get(tuple(self.tokens[-n:]))
@@ -86,12 +96,12 @@ class NgramIndex:
                         found.append(cont)
                         if len(found) == count:
                             break
-                return found
-        return []
+                return n, found
+        return 0, []
 
     def continuation(self, max_len: int, min_ngram: int = 1) -> list[int]:
         """Tokens that followed the most recent earlier occurrence of the longest matching suffix (may be [])."""
-        found = self.continuations(max_len, min_ngram)
+        _, found = self.continuations(max_len, min_ngram)
         return found[0] if found else []
 
 

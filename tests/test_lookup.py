@@ -42,12 +42,13 @@ def test_distinct_continuations_most_recent_first():
     #      0  1  2  3  4  5  6  7  8  9 10 11 12 13
     seq = [5, 6, 1, 2, 5, 6, 3, 4, 5, 6, 1, 2, 5, 6]
     # (5, 6) ended at 2, 6, 10 (and is the suffix): continuations from 10 ([1, 2]), 6 ([3, 4]); 2 repeats [1, 2]
-    assert _index(seq, max_ngram=2).continuations(2, count=3) == [[1, 2], [3, 4]]
-    assert _index(seq, max_ngram=2).continuations(2, count=1) == [[1, 2]]
-    assert _index(seq, max_ngram=2).continuations(3, count=3) == [[1, 2, 5], [3, 4, 5]]
+    assert _index(seq, max_ngram=2).continuations(2, count=3) == (2, [[1, 2], [3, 4]])
+    assert _index(seq, max_ngram=2).continuations(2, count=1) == (2, [[1, 2]])
+    assert _index(seq, max_ngram=2).continuations(3, count=3) == (2, [[1, 2, 5], [3, 4, 5]])
     # the longest matching n-gram decides, its occurrences only: the suffix trigram (2, 5, 6) occurred once, at 3..5
-    assert _index(seq, max_ngram=3).continuations(2, count=3) == [[3, 4]]
-    assert _index([1, 2, 3]).continuations(2, count=3) == []
+    assert _index(seq, max_ngram=3).continuations(2, count=3) == (3, [[3, 4]])
+    assert _index([1, 2, 3]).continuations(2, count=3) == (0, [])
+    assert _index([1, 2, 3, 2]).continuations(2, count=3) == (1, [[3, 2]])  # unigram (2,) at 1
 
 
 def test_suffix_never_matches_itself():
@@ -121,6 +122,8 @@ def test_bad_draft_settings(model):
         SpeculativeGenerator(model, None, draft="hybrid")
     with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
         LookupConfig(min_ngram=4, max_ngram=3)
+    assert LookupConfig().shortest_ngram("hybrid") == 1 and LookupConfig().shortest_ngram("lookup") == 2
+    assert LookupConfig(min_ngram=3).shortest_ngram("hybrid") == 3
 
 
 def test_branch_length_rule():
