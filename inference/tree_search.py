@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -101,11 +102,13 @@ def choose_tree(ordered: list[tuple[tuple[int, ...], float]], latency: dict[int,
 
 # ---- measurements on this machine ------------------------------------------------------------------------------
 @torch.inference_mode()
-def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int = 256,
-                    repeats: int = 7) -> dict[int, float]:
-    """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len``: per size, the minimum over
-    ``repeats`` rounds that each time through every size (a slow spell of a shared machine then hits all sizes alike,
-    and the minimum drops it). Raw and still noisy: ``fit_latency`` turns it into the table the search uses."""
+def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int = 256, repeats: int = 7,
+                    statistic: str = "min") -> dict[int, float]:
+    """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len``: per size, the ``statistic``
+    ("min" or "median") over ``repeats`` rounds that each go through every size (a slow spell of a shared machine then
+    hits all sizes alike). Raw and still noisy: ``fit_latency`` turns it into the table the search uses."""
+    if statistic not in ("min", "median"):
+        raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
     vocab = model.get_output_embeddings().weight.shape[0]
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None:  # stay inside the backbone's context
@@ -113,15 +116,16 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
     gen = torch.Generator().manual_seed(0)
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen), past_key_values=cache, use_cache=True)
-    out = dict.fromkeys(sizes, float("inf"))
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
         for n in sizes:
             ids = torch.randint(vocab, (1, n), generator=gen)
             start = time.perf_counter()
             model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-            out[n] = min(out[n], time.perf_counter() - start)
+            times[n].append(time.perf_counter() - start)
             cache.crop(-n)
-    return out
+    pick = min if statistic == "min" else statistics.median
+    return {n: pick(ts) for n, ts in times.items()}
 
 
 def fit_latency(measured: dict[int, float]) -> dict[int, float]:
@@ -226,22 +230,26 @@ class VerifyLatency:
 
 def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
                    prefix_lens: Sequence[int] = (256, 1024)) -> VerifyLatency:
-    """The fitted verify latency (``fit_latency`` of ``measure_latency``) of this backbone on this machine at a few
-    cache lengths, measured once and cached (~10 s on a 2-core CPU)."""
+    """The fitted verify latency (``fit_latency`` of the median ``measure_latency``) of this backbone on this machine
+    at a few cache lengths, measured once and cached (~20 s on a 2-core CPU)."""
     from tokenmaxx.heads import backbone_identity
 
     machine = machine_fingerprint(model)
     shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
                                                           "vocab_size", "intermediate_size")}
     key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency", list(prefix_lens),
-                                     CALIBRATION_VERSION], sort_keys=True, default=str).encode()).hexdigest()[:24]
+                                     CALIBRATION_VERSION, "median"], sort_keys=True, default=str).encode()
+                         ).hexdigest()[:24]
     path = _cache_path(f"latency-{key}", cache_root)
     if path.is_file() and not refresh:
         record = json.loads(path.read_text())
         return VerifyLatency({int(p): {int(n): s for n, s in table.items()} for p, table in record["tables"].items()})
     context = getattr(model.config, "max_position_embeddings", None) or max(prefix_lens) + max(LATENCY_SIZES)
     lengths = sorted({max(1, min(p, context - max(LATENCY_SIZES))) for p in prefix_lens})
-    measured = {p: measure_latency(model, prefix_len=p) for p in lengths}
+    # the median, not the best case: in the decode loop a multi-token forward runs ~15 ms over a single token's at the
+    # median (SmolLM2 bf16, 2 shared cores) while the minima differ by ~4 ms; sized on minima, hybrid trees came out
+    # too big (held-out summarization 1.53x with minima vs 1.76x with medians, one interleaved run)
+    measured = {p: measure_latency(model, prefix_len=p, statistic="median") for p in lengths}
     tables = {p: fit_latency(m) for p, m in measured.items()}
     _write_record(path, {"tables": tables, "measured": measured, "machine": machine})
     return VerifyLatency(tables)

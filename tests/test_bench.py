@@ -112,6 +112,18 @@ def test_fit_latency_recovers_flat_then_linear_and_never_decreases():
     assert fit_latency({1: 0.5, 2: 0.4}) == {1: 0.4, 2: 0.4}  # too few sizes to fit: as measured, kept monotone
 
 
+def test_measure_latency_statistics():
+    from tokenmaxx.inference.tree_search import measure_latency
+
+    model = tiny_model("llama")
+    with torch.inference_mode():
+        for statistic in ("min", "median"):
+            measured = measure_latency(model, sizes=(1, 2, 4), prefix_len=16, repeats=3, statistic=statistic)
+            assert sorted(measured) == [1, 2, 4] and all(s > 0 for s in measured.values())
+        with pytest.raises(ValueError, match="statistic must be 'min' or 'median', got 'mean'"):
+            measure_latency(model, statistic="mean")
+
+
 def test_verify_latency_between_cache_lengths():
     from tokenmaxx.inference.tree_search import VerifyLatency
 
