@@ -313,10 +313,9 @@ class SpeculativeGenerator:
                     stats.accepted_by_source[SOURCE_NAMES[src]] += 1
                 from_lookup = sum(1 for src in path_sources if src & LOOKUP)
                 if self.draft == "hybrid":
-                    for rel, nodes in zip(rels, branch_nodes):  # kept nodes of each branch, accepted ones
+                    for rel, nodes in zip(rels, branch_nodes):
                         if nodes:
-                            rel.update(len(nodes), next((i for i, (a, b) in enumerate(zip(path, nodes)) if a != b),
-                                                        min(len(path), len(nodes))))
+                            rel.update_branch(nodes, path)
                     calibration.update(float(heads_values[1:].sum()), sum(1 for src in path_sources if src & HEADS))
                 else:
                     lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)

@@ -165,6 +165,12 @@ class LookupReliability:
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1 if accepted < proposed else 0)
 
+    def update_branch(self, kept: list[int], path: list[int]) -> None:
+        """One round of a branch: ``kept`` its nodes in the verified tree, ``path`` the accepted nodes (root
+        excluded); the branch's accepted tokens are their common prefix."""
+        accepted = next((i for i, (a, b) in enumerate(zip(path, kept)) if a != b), min(len(path), len(kept)))
+        self.update(len(kept), accepted)
+
 
 @dataclass
 class HeadsCalibration:

@@ -136,7 +136,7 @@ def fit_latency(measured: dict[int, float]) -> dict[int, float]:
     carries the machine's noise (on a shared 2-core CPU one run measured 12 tokens faster than 1), which would tell
     the tree search that extra nodes are free. Returns the curve at the measured sizes."""
     sizes = sorted(n for n in measured if n >= 2)
-    out = {}
+    out = {n: measured[n] for n in sizes}  # too few sizes to fit a curve: as measured
     if len(sizes) >= 2:
         ys = [measured[n] for n in sizes]
         mean_y = sum(ys) / len(ys)
@@ -152,8 +152,6 @@ def fit_latency(measured: dict[int, float]) -> dict[int, float]:
                 best = (error, a, b, knee)
         _, a, b, knee = best
         out = {n: a + b * max(0, n - knee) for n in sizes}
-    else:
-        out = {n: measured[n] for n in sizes}
     if 1 in measured:
         out[1] = min(measured[1], out[sizes[0]]) if sizes else measured[1]
     return dict(sorted(out.items()))
@@ -312,7 +310,8 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
     tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
                               max_depth=heads.config.num_heads)
     _write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
-                         "measured_latency": measured, "overhead": overhead, "positions": ranks.shape[0], "table": table})
+                         "measured_latency": measured, "overhead": overhead, "positions": ranks.shape[0],
+                         "table": table})
     return tree
 
 
@@ -381,6 +380,6 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     best = max(table, key=lambda row: row["tokens_per_s"])
     chosen = DynamicTreeConfig(nodes=best["nodes"], topk=config.topk, depth=config.depth)
     _write_record(path, {"dynamic_tree": {"nodes": chosen.nodes, "topk": chosen.topk, "depth": chosen.depth},
-                         "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop, "propose_seconds": propose_s,
-                         "table": table})
+                         "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop,
+                         "propose_seconds": propose_s, "table": table})
     return chosen
