@@ -15,8 +15,8 @@ from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, MedusaHeads, default_h
 from .decoding import accept_greedy, commit, propose, verify
 from .draft_vocab import DraftVocab
 from .dynamic_tree import DynamicTreeConfig, MTPDrafter
-from .lookup import DRAFT_MODES, HEADS, LOOKUP, SOURCE_NAMES, HeadsCalibration, LookupConfig, LookupReliability, \
-    NgramIndex, merge_branch, share_budget
+from .lookup import DRAFT_MODES, HEADS, LOOKUP, SOURCE_NAMES, HeadsCalibration, HeadsGate, LookupConfig, \
+    LookupReliability, NgramIndex, merge_branch, share_budget
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 from .tree import Tree, chain, parse_tree
@@ -33,6 +33,7 @@ class GenerationStats:
         default_factory=lambda: dict.fromkeys(("propose", "verify", "accept", "commit"), 0.0))
     accepted_by_source: dict[str, int] = field(  # accepted candidates by who drafted them (bonus tokens excluded)
         default_factory=lambda: dict.fromkeys(("heads", "lookup", "both"), 0))
+    heads_skipped: int = 0  # hybrid: rounds drafted by lookup alone because the heads were not paying (HeadsGate)
 
     @property
     def mean_tau(self) -> float:
@@ -53,7 +54,7 @@ class GenerationStats:
                 "accepted_hist": dict(sorted(self.accepted_hist.items())), "prefill_seconds": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds, "wall_seconds": self.wall_seconds,
                 "tokens_per_s": self.tokens_per_s, "phase_seconds": self.phase_seconds,
-                "accepted_by_source": self.accepted_by_source}
+                "accepted_by_source": self.accepted_by_source, "heads_skipped": self.heads_skipped}
 
 
 @dataclass
@@ -252,16 +253,22 @@ class SpeculativeGenerator:
             # trigram is surer than one of a single token, the most recent occurrence surer than older ones
             reliability: dict[tuple[int, int], LookupReliability] = {}
             calibration = HeadsCalibration()  # hybrid: how the heads' values compare with what is accepted here
+            # hybrid: heads that have stopped paying for their proposing time sit out rounds
+            gate = HeadsGate(self.lookup.heads_min_yield, self.lookup.heads_explore_every)
+        heads_on = True
         while root not in eos_ids and len(new_tokens) < max_new_tokens:
             # A round emits at most depth + 1 tokens: drop nodes that could only overshoot max_new_tokens.
             t0 = time.perf_counter()
             room = max_new_tokens - len(new_tokens) - 1
+            if self.draft == "hybrid":
+                heads_on = gate.propose()
+                stats.heads_skipped += not heads_on
             if drafter is not None:
-                draft_tree = drafter.propose(root, room)
+                draft_tree = drafter.propose(root, room if heads_on else 0)
                 tokens, buffers = draft_tree.tokens, draft_tree.buffers  # [N]
                 values = draft_tree.scores.exp() if self.draft == "hybrid" else None  # draft path probabilities
             else:
-                tree = self.tree.truncate(room)
+                tree = self.tree.truncate(room if heads_on else 0)
                 buffers = tree.buffers
                 tokens = propose(self.heads, lm_head, hidden, root, buffers, vocab)  # [N]
                 values = _static_values(tree) if self.draft == "hybrid" else None
@@ -276,9 +283,9 @@ class SpeculativeGenerator:
                     # sized from the cached latency table only (no wall-clock input): a seeded generation picks the
                     # same trees, hence the same samples, every time
                     latency = self.latency.at(prefix_len) if self.latency is not None else None
+                    branch_values = [rel.values(len(b)) for rel, b in zip(rels, branches)]
                     tokens, buffers, sources, heads_values, branch_nodes = share_budget(
-                        tokens, buffers, values, branches, [r.p for r in rels], budget, latency,
-                        calibration.scale)
+                        tokens, buffers, values, branches, branch_values, budget, latency, calibration.scale)
                 else:
                     branch = index.continuation(min(lookup_len, room), min_ngram)
                     if branch:
@@ -316,7 +323,10 @@ class SpeculativeGenerator:
                     for rel, nodes in zip(rels, branch_nodes):
                         if nodes:
                             rel.update_branch(nodes, path)
-                    calibration.update(float(heads_values[1:].sum()), sum(1 for src in path_sources if src & HEADS))
+                    if heads_on:
+                        calibration.update(float(heads_values[1:].sum()),
+                                           sum(1 for src in path_sources if src & HEADS))
+                        gate.update(sum(1 for src in path_sources if src == HEADS))
                 else:
                     lookup_len = self.lookup.next_len(lookup_len, len(branch), from_lookup)
             if use_lookup:

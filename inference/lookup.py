@@ -8,7 +8,7 @@ token the heads already proposed at that place, the node is shared (deduplicated
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -33,12 +33,20 @@ class LookupConfig:
     max_len: int = field(default=16, metadata={"help": "longest branch"})
     branches: int = field(default=3, metadata={
         "help": "hybrid: distinct continuations offered as branches (earlier occurrences of the matched n-gram)"})
+    heads_min_yield: float = field(default=0.05, metadata={
+        "help": "hybrid: heads whose proposals lately add fewer accepted tokens per round than this sit out rounds "
+                "(see HeadsGate); 0 keeps them always on"})
+    heads_explore_every: int = field(default=8, metadata={
+        "help": "hybrid: heads that sit out still propose every this many rounds, to notice when they pay again"})
 
     def __post_init__(self):
         if self.min_ngram is not None and not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         if self.branches < 1:
             raise ValueError(f"need branches >= 1, got {self.branches}")
+        if self.heads_min_yield < 0 or self.heads_explore_every < 1:
+            raise ValueError(f"need heads_min_yield >= 0 and heads_explore_every >= 1, got {self.heads_min_yield}, "
+                             f"{self.heads_explore_every}")
         if not 1 <= self.min_len <= self.start_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= start_len <= max_len, got {self.min_len}, {self.start_len}, "
                              f"{self.max_len}")
@@ -147,23 +155,59 @@ def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) 
     return merged, out_buffers, sources
 
 
+DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # depth groups that share an estimate: 1, 2, 3-4, 5-8, 9-16, 17+
+
+
 @dataclass
 class LookupReliability:
-    """How often lookup tokens are accepted lately: a decayed Beta estimate of P(the next lookup token is right | the
-    ones before it were). Each round with a branch adds its accepted lookup tokens as successes and, when the branch
-    was cut short, one failure; old rounds fade by ``decay``."""
+    """How often lookup tokens are accepted lately, by depth: a decayed Beta estimate per depth group of P(the lookup
+    token at depth j is right | the ones above it were).
+
+    Copying is bursty: once a continuation has matched a few tokens, the next one is likelier right than the first
+    was, so one constant per-token rate (a geometric model) undervalues deep nodes of a good match and overvalues
+    those of a poor one. Each group's estimate starts from the group above it (a prior worth ``prior_weight`` rounds,
+    centred on that group's estimate; the first group from 1/2), so deep groups with few observations fall back on
+    the shallower ones. A group forgets by ``decay`` per observation it gets.
+    """
 
     decay: float = 0.8
-    successes: float = 1.0
-    failures: float = 1.0
+    prior_weight: float = 2.0
+    buckets: tuple[int, ...] = DEPTH_BUCKETS
+    _counts: dict[int, tuple[float, float]] = field(default_factory=dict)  # group -> decayed (successes, failures)
+
+    def _group(self, depth: int) -> int:
+        return sum(1 for start in self.buckets[1:] if depth >= start)
+
+    def rates(self, length: int) -> list[float]:
+        """P(the token at depth j is right | the ones above it were), j = 1..length."""
+        out, prior = [], 0.5
+        for depth in range(1, length + 1):
+            ok, bad = self._counts.get(self._group(depth), (0.0, 0.0))
+            prior = (ok + self.prior_weight * prior) / (ok + bad + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def values(self, length: int) -> list[float]:
+        """P(the first j tokens of a branch are all right), j = 1..length: never growing with depth."""
+        out, value = [], 1.0
+        for rate in self.rates(length):
+            value *= rate
+            out.append(value)
+        return out
 
     @property
     def p(self) -> float:
-        return self.successes / (self.successes + self.failures)
+        """The estimate for the first token."""
+        return self.rates(1)[0]
 
     def update(self, proposed: int, accepted: int) -> None:
-        self.successes = self.decay * self.successes + accepted
-        self.failures = self.decay * self.failures + (1 if accepted < proposed else 0)
+        """One round in which ``proposed`` tokens of a branch were verified and the first ``accepted`` were right:
+        depths 1..accepted are successes, depth accepted + 1 (if it was verified) a failure, deeper ones untested."""
+        for depth in range(1, min(accepted + 1, proposed) + 1):
+            group = self._group(depth)
+            ok, bad = self._counts.get(group, (0.0, 0.0))
+            hit = depth <= accepted
+            self._counts[group] = (self.decay * ok + hit, self.decay * bad + (not hit))
 
     def update_branch(self, kept: list[int], path: list[int]) -> None:
         """One round of a branch: ``kept`` its nodes in the verified tree, ``path`` the accepted nodes (root
@@ -194,6 +238,39 @@ class HeadsCalibration:
         self.expected = self.decay * self.expected + expected
 
 
+@dataclass
+class HeadsGate:
+    """Whether the heads are worth running this round (hybrid drafting). Proposing costs a few ms per round even
+    when no heads node ends up accepted (SmolLM2 bf16 on 2 CPU cores: ~4 ms of a ~90 ms round); on text the lookup
+    branches copy (translation: 2 heads tokens accepted in ~170 rounds) that is pure loss. Keeps a decayed mean of the
+    tokens only the heads drafted that each proposing round accepted; below ``min_yield`` the heads sit out all but
+    every ``explore_every``-th round, whose outcome keeps the estimate current. Counts rounds, not seconds, so seeded
+    sampling stays reproducible."""
+
+    min_yield: float = 0.05
+    explore_every: int = 8
+    decay: float = 0.9
+    rate: float = 1.0  # decayed mean of heads-only accepted tokens per proposing round
+    _skipped: int = 0
+
+    def __post_init__(self):
+        if self.min_yield < 0 or self.explore_every < 1 or not 0 <= self.decay < 1:
+            raise ValueError(f"need min_yield >= 0, explore_every >= 1 and 0 <= decay < 1, got {self.min_yield}, "
+                             f"{self.explore_every}, {self.decay}")
+
+    def propose(self) -> bool:
+        """Run the heads this round?"""
+        if self.rate >= self.min_yield or self._skipped + 1 >= self.explore_every:
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        return False
+
+    def update(self, heads_only_accepted: int) -> None:
+        """After a round in which the heads proposed: how many accepted tokens only they had drafted."""
+        self.rate = self.decay * self.rate + (1 - self.decay) * heads_only_accepted
+
+
 class SharedTree(NamedTuple):
     tokens: torch.Tensor  # [N] kept tree tokens, root first
     buffers: TreeBuffers
@@ -203,13 +280,13 @@ class SharedTree(NamedTuple):
 
 
 def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branches: list[list[int]],
-                 p_lookup: list[float], budget: int, latency: dict[int, float] | None = None,
+                 p_lookup: Sequence[float | Sequence[float]], budget: int, latency: dict[int, float] | None = None,
                  heads_scale: float = 1.0) -> SharedTree:
     """Merge lookup branches into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
 
     values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
-    ``heads_scale`` (a ``HeadsCalibration``). A node at depth j of lookup branch b is worth p_lookup[b]**j (the best
-    over the branches through it); a node also proposed by the heads is worth the larger. Values never grow along a
+    ``heads_scale`` (a ``HeadsCalibration``). A node at depth j of lookup branch b is worth p_lookup[b][j-1] (a
+    ``LookupReliability.values`` list), or p_lookup[b]**j for a number (the best over the branches through it); a node also proposed by the heads is worth the larger. Values never grow along a
     path, so the kept set (best first, shallower first on ties) holds each kept node's parent. With ``latency``
     (seconds of one verify forward per node count, measured on this machine) the budget itself is chosen per step:
     the n <= budget that maximises (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second.
@@ -221,12 +298,18 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     depths = merged_buffers.depths.float()
     own = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads)])  # the heads' values, unscaled
     worth = (own * heads_scale).clamp(max=1.0)
-    base = torch.zeros(merged.numel())  # per node: the best reliability of the branches through it
+    lookup_worth = torch.zeros(merged.numel())  # per node: the best value of the branches through it
     for path, p in zip(paths, p_lookup):
         if path:
             index = torch.tensor(path)
-            base[index] = torch.maximum(base[index], torch.tensor(float(p)))
-    worth = torch.maximum(worth, torch.where(base > 0, base ** depths, torch.zeros(())))
+            if isinstance(p, (int, float)):
+                branch_values = torch.tensor(float(p)) ** torch.arange(1, len(path) + 1, dtype=torch.float)
+            else:
+                if len(p) < len(path):
+                    raise ValueError(f"a lookup branch of {len(path)} tokens has only {len(p)} values")
+                branch_values = torch.tensor([float(v) for v in p[:len(path)]])
+            lookup_worth[index] = torch.maximum(lookup_worth[index], branch_values)
+    worth = torch.maximum(worth, lookup_worth)
     worth[0] = float("inf")  # the root always stays
     worth_list, depth_list = worth.tolist(), depths.tolist()
     ranked = sorted(range(merged.numel()), key=lambda i: (-worth_list[i], depth_list[i], i))

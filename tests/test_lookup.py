@@ -107,6 +107,37 @@ def test_hybrid_with_oracle_heads_matches_greedy():
     assert both > 0  # shared (deduplicated) nodes were accepted
 
 
+def test_heads_gate_sits_out_unpaying_heads_and_explores():
+    from tokenmaxx.inference.lookup import HeadsGate
+
+    gate = HeadsGate(min_yield=0.05, explore_every=4, decay=0.5)
+    assert gate.propose()  # starts trusting the heads
+    for _ in range(8):  # proposing rounds that add nothing
+        gate.update(0)
+    assert gate.rate < 0.05
+    assert [gate.propose() for _ in range(8)] == [False, False, False, True] * 2  # out, but every 4th round in
+    gate.update(1)  # an exploring round whose heads token was accepted: back on at once
+    assert gate.rate >= 0.05 and all(gate.propose() for _ in range(4))
+    with pytest.raises(ValueError, match="explore_every >= 1"):
+        HeadsGate(explore_every=0)
+    with pytest.raises(ValueError, match="heads_min_yield >= 0"):
+        LookupConfig(heads_min_yield=-1)
+
+
+def test_hybrid_with_heads_sitting_out_matches_greedy(model):
+    # heads that never pay enough (min_yield above any possible yield) sit out 7 rounds of 8: still exact
+    gen = SpeculativeGenerator(model, random_heads(model), draft="hybrid",
+                               lookup=LookupConfig(heads_min_yield=100.0, heads_explore_every=8))
+    always = SpeculativeGenerator(model, random_heads(model), draft="hybrid", lookup=LookupConfig(heads_min_yield=0))
+    for input_ids, max_new in _repeating_prompts(model.config.vocab_size, seed=11):
+        expected = greedy_reference(model, input_ids, max_new).tolist()
+        out = gen.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected
+        assert out.stats.heads_skipped > 0 and out.stats.heads_skipped <= out.stats.steps * 7 / 8 + 1
+        out = always.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected and out.stats.heads_skipped == 0
+
+
 def test_hybrid_sampling_runs_and_is_seeded(model):
     model.generation_config.eos_token_id = None
     gen = SpeculativeGenerator(model, random_heads(model), draft="hybrid")
@@ -161,7 +192,44 @@ def test_share_budget_gives_nodes_to_the_likelier_source():
     high = rel.p
     for _ in range(10):
         rel.update(proposed=4, accepted=0)
-    assert high > 0.9 and rel.p < 0.3
+    assert high > 0.75 and rel.p < 0.3
+    # per-depth values instead of one rate: the branch's nodes are worth exactly the values given
+    out, buffers, sources, *_ = share_budget(tokens, tree.buffers, values, [branch], p_lookup=[[0.45, 0.4, 0.25]],
+                                             budget=5)
+    assert sorted(out.tolist()) == [9, 10, 13, 20, 21]  # 0.5, 0.45, 0.4, 0.3 beat 0.25
+    with pytest.raises(ValueError, match="3 tokens has only 2 values"):
+        share_budget(tokens, tree.buffers, values, [branch], p_lookup=[[0.45, 0.4]], budget=5)
+
+
+def test_lookup_reliability_learns_per_depth():
+    from tokenmaxx.inference.lookup import LookupReliability
+
+    # nothing seen yet: every depth falls back on the one above it, 1/2 each
+    assert LookupReliability().values(4) == pytest.approx([0.5, 0.25, 0.125, 0.0625])
+    # bursty copying: a continuation is either wrong at once or right all along. The first token is a coin flip, the
+    # deeper ones almost sure once the first was right: an 8-token branch keeps ~1/2 of its value at the bottom
+    # (one constant per-token rate would give it 0.5**8)
+    bursty = LookupReliability()
+    for _ in range(10):
+        bursty.update(proposed=8, accepted=0)
+        bursty.update(proposed=8, accepted=8)
+    rates, values = bursty.rates(8), bursty.values(8)
+    assert rates[0] == pytest.approx(0.5, abs=0.1) and min(rates[1:]) > 0.8
+    assert values[-1] > 0.25 and all(a >= b for a, b in zip(values, values[1:]))
+    # the opposite: the first token is usually right, the next ones rarely: value falls fast below depth 1
+    fading = LookupReliability()
+    for _ in range(10):
+        fading.update(proposed=8, accepted=1)
+    assert fading.rates(2)[0] > 0.8 and fading.values(3)[2] < 0.1
+    # only verified depths are observed: a branch cut to 2 nodes says nothing about depth 3 and below
+    cut = LookupReliability()
+    for _ in range(10):
+        cut.update(proposed=2, accepted=2)
+    assert cut._counts.keys() == {0, 1}
+    # update_branch: the accepted tokens of a branch are the common prefix of its kept nodes and the accepted path
+    rel = LookupReliability()
+    rel.update_branch(kept=[3, 4, 5], path=[3, 4, 9])
+    assert rel._counts == {0: (1.0, 0.0), 1: (1.0, 0.0), 2: (0.0, 1.0)}
 
 
 def test_share_budget_with_several_branches():
