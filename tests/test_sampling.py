@@ -168,31 +168,38 @@ def test_round_distribution_test_has_teeth(settings):
     assert _round_pvalue(_broken_accept, settings) < 1e-6
 
 
-def _generator_pvalue(monkeypatch, broken: bool, n=1500):
+def _generator_pvalue(monkeypatch, broken: bool, n=1500, draft="heads"):
     """End to end through SpeculativeGenerator: the 2nd and 3rd generated tokens over seeded runs vs exact."""
     model = _sampling_model()
     if broken:
         monkeypatch.setattr(generator_module, "accept_sampling", _broken_accept)
-    gen = SpeculativeGenerator(model, random_heads(model, seed=3), tree=TREE)
+    gen = SpeculativeGenerator(model, random_heads(model, seed=3), tree=TREE, draft=draft)
     warpers = build_warpers(GenerationConfig(do_sample=True, temperature=1.0))
-    prefix = torch.tensor([3, 4, 5])
+    prefix = torch.tensor([3, 4, 5, 3, 4])  # repeats: hybrid drafting finds lookup branches (5, 3 after 4, ...)
     vocab = model.config.vocab_size
     with torch.no_grad():
         p1 = target_probs(model(prefix[None]).logits[0, -1], warpers)  # [V]
     exact = sum(p1[a] * _exact_pair(model, torch.cat([prefix, torch.tensor([a])]), warpers) for a in range(vocab))
     counts = torch.zeros(vocab * vocab)
+    from_lookup = 0
     for seed in range(n):
-        new = gen.generate(prefix, max_new_tokens=3, do_sample=True, temperature=1.0, seed=seed).new_tokens
+        out = gen.generate(prefix, max_new_tokens=3, do_sample=True, temperature=1.0, seed=seed)
+        new = out.new_tokens
         counts[new[1] * vocab + new[2]] += 1
+        from_lookup += out.stats.accepted_by_source["lookup"] + out.stats.accepted_by_source["both"]
+    if draft == "hybrid":
+        assert from_lookup >= 25  # lookup branches were really drafted and accepted (49 of 1500 runs here)
     return _chi2_pvalue(counts, exact.flatten())
 
 
-def test_generator_distribution_matches_plain_sampling(monkeypatch):
-    assert _generator_pvalue(monkeypatch, broken=False) > 1e-3
+@pytest.mark.parametrize("draft", ["heads", "hybrid"])
+def test_generator_distribution_matches_plain_sampling(monkeypatch, draft):
+    assert _generator_pvalue(monkeypatch, broken=False, draft=draft) > 1e-3
 
 
-def test_generator_distribution_test_has_teeth(monkeypatch):
-    assert _generator_pvalue(monkeypatch, broken=True) < 1e-3
+@pytest.mark.parametrize("draft", ["heads", "hybrid"])
+def test_generator_distribution_test_has_teeth(monkeypatch, draft):
+    assert _generator_pvalue(monkeypatch, broken=True, draft=draft) < 1e-3
 
 
 # ---- determinism and configuration ---------------------------------------------------------------------------------
