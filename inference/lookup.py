@@ -286,10 +286,11 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
 
     values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
     ``heads_scale`` (a ``HeadsCalibration``). A node at depth j of lookup branch b is worth p_lookup[b][j-1] (a
-    ``LookupReliability.values`` list), or p_lookup[b]**j for a number (the best over the branches through it); a node also proposed by the heads is worth the larger. Values never grow along a
-    path, so the kept set (best first, shallower first on ties) holds each kept node's parent. With ``latency``
-    (seconds of one verify forward per node count, measured on this machine) the budget itself is chosen per step:
-    the n <= budget that maximises (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second.
+    ``LookupReliability.values`` list), or p_lookup[b]**j for a number (the best over the branches through it); a
+    node also proposed by the heads is worth the larger. Values never grow along a path, so the kept set (best first,
+    shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify forward per node
+    count, measured on this machine) the budget itself is chosen per step: the n <= budget that maximises
+    (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second.
     """
     if len(p_lookup) < len(branches):
         raise ValueError(f"{len(branches)} lookup branches but {len(p_lookup)} reliabilities")
