@@ -5,7 +5,8 @@ Every method runs on the same backbone, dtype, threads and prompts; per prompt t
 forward that yields one token), counted by a forward hook on the backbone, so peers and tokenmaxx are comparable.
 
 Output JSON shape (fixed): ``{"config", "machine", "methods": {name: {"overall": S, "categories": {cat: S}}}}`` with
-``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``.
+``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``. Per-prompt rows
+(``prompt_rows``) go to a separate jsonl, so that shape stays fixed.
 """
 
 from __future__ import annotations
@@ -159,6 +160,26 @@ def summarize(results: dict[str, MethodResult], prompts: list[Prompt]) -> dict:
                                        [base[i] for i in idx if prompts[i].category == c]) for c in cats},
         }
     return out
+
+
+def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list[dict]:
+    """One row per (prompt, method), every setting of every method, for paired comparisons that the per-category
+    sums hide: question_id, category, method, tokens, seconds, forwards, tau, identical (to baseline), and
+    accepted_by_source for tokenmaxx methods."""
+    base = results["baseline"].runs
+    rows = []
+    for i, prompt in enumerate(prompts):
+        for name, res in results.items():
+            if i not in res.runs:
+                continue
+            run = res.runs[i]
+            row = {"question_id": prompt.question_id, "category": prompt.category, "method": name,
+                   "tokens": len(run.tokens), "seconds": round(run.seconds, 4), "forwards": run.forwards,
+                   "tau": round(len(run.tokens) / max(run.forwards, 1), 4), "identical": run.tokens == base[i].tokens}
+            if run.sources is not None:
+                row["accepted_by_source"] = run.sources
+            rows.append(row)
+    return rows
 
 
 def machine_info(threads: int, dtype: str) -> dict:

@@ -3,7 +3,8 @@
 
     python scripts/bench.py --limit 5 --methods baseline,prompt_lookup,tokenmaxx,tokenmaxx:chain:4 --out runs/bench
 
-Writes OUT.json (config, machine, methods -> overall/categories), OUT.md (table) and OUT.png (plot).
+Writes OUT.json (config, machine, methods -> overall/categories), OUT.md (table), OUT.png (plot) and
+OUT.prompts.jsonl (one row per prompt and method, every prompt-lookup setting included: for paired comparisons).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from transformers import HfArgumentParser
 
 from tokenmaxx.heads import BACKBONES, DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.inference import SpeculativeGenerator
-from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, run_benchmark,
-                                           summarize, tokenmaxx_method)
+from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
+                                           run_benchmark, summarize, tokenmaxx_method)
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
@@ -123,6 +124,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    rows = prompt_rows(results, prompts)
+    out.with_suffix(".prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = markdown_table(report)
     out.with_suffix(".md").write_text(table)
     try:

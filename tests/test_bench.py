@@ -57,6 +57,15 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
     for name in ours:
         assert report["methods"][name]["overall"]["identical_rate"] == 1.0  # fp32: exact
     assert out.with_suffix(".md").read_text().startswith("| method |")
+    rows = [json.loads(line) for line in out.with_suffix(".prompts.jsonl").read_text().splitlines()]
+    raw = {"baseline", "prompt_lookup:2", "prompt_lookup:4", *ours}  # every setting, before the best is picked
+    assert {r["method"] for r in rows} == raw and len(rows) == len(raw) * report["config"]["prompt_count"]
+    best = report["config"]["notes"]["prompt_lookup"]["best"]
+    for name, m in report["methods"].items():  # the rows add up to the summaries
+        mine = [r for r in rows if r["method"] == (best if name == "prompt_lookup" else name)]
+        assert sum(r["tokens"] for r in mine) == m["overall"]["tokens"]
+        assert sum(r["identical"] for r in mine) / len(mine) == pytest.approx(m["overall"]["identical_rate"], abs=1e-4)
+        assert all(("accepted_by_source" in r) == (name in ours) for r in mine)
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
