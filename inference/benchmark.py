@@ -169,9 +169,7 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
     base = results["baseline"].runs
     rows = []
     for i, prompt in enumerate(prompts):
-        for name, res in results.items():
-            if i not in res.runs:
-                continue
+        for name, res in results.items():  # run_benchmark runs every method on every prompt
             run = res.runs[i]
             row = {"question_id": prompt.question_id, "category": prompt.category, "method": name,
                    "tokens": len(run.tokens), "seconds": round(run.seconds, 4), "forwards": run.forwards,
