@@ -161,6 +161,67 @@ def test_objective_mtp_scores_each_depth_of_the_unroll(loss):
         objective(hidden, ids, answer_start, lengths, lm_head)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "mtp"])
+@pytest.mark.parametrize("loss", ["ce", "ce+kl"])
+def test_objective_over_a_loss_vocabulary(kind, loss):
+    """vocab=: the softmax is over those tokens only, targets outside are not trained, and the fused path agrees."""
+    model = tiny_model("llama")
+    lm_head, embed = model.lm_head, model.get_input_embeddings()
+    heads = (MTPHeads if kind == "mtp" else MedusaHeads).for_backbone(model, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    answer_start, lengths = torch.tensor([4, 6]), torch.tensor([10, 8])
+    targets, valid = shifted_targets(ids, answer_start, lengths, num_heads=3)  # [D, B, T]
+    answer_tokens = sorted(set(targets[valid].tolist()))
+    vocab = torch.tensor(answer_tokens[::2] + [0, 1, 2])  # about half of the targets, and some tokens never a target
+    objective = HeadsObjective(heads, loss=loss, head_decay=0.8, vocab=vocab)
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # [B, T, H]
+    v1, s1, g1 = _fused_equals_unfused(objective, lambda: objective(hidden, ids, answer_start, lengths, lm_head,
+                                                                    embed=embed))
+    assert lm_head.weight.grad is None and all(g.abs().sum() > 0 for g in g1)
+    # Reference: full-vocabulary logits, restricted to the vocabulary's columns, scored on in-vocabulary targets.
+    with torch.no_grad():
+        logits = heads(hidden, lm_head, input_ids=ids, embed=embed) if kind == "mtp" else heads(hidden, lm_head)
+    sub = torch.log_softmax(logits[..., vocab].float(), dim=-1)  # [D, B, T, Vd]
+    inside = torch.isin(targets, vocab) & valid
+    position = {int(t): i for i, t in enumerate(vocab)}
+    for d in range(3):
+        want = torch.tensor([position[int(t)] for t in targets[d][inside[d]]])
+        ce = -sub[d][inside[d]].gather(1, want[:, None]).squeeze(1)
+        torch.testing.assert_close(s1[0, d], ce.mean(), atol=1e-5, rtol=1e-5)
+        assert s1[3, d] == inside[d].sum() < valid[d].sum()  # out-of-vocabulary targets are not counted
+    with pytest.raises(ValueError, match="distinct token ids"):
+        HeadsObjective(heads, vocab=torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="token id 500, but the lm_head has only 96 rows"):
+        HeadsObjective(heads, vocab=torch.tensor([3, 500])).projection(lm_head)
+
+
+def test_heldout_metrics_count_targets_outside_the_loss_vocabulary_as_misses(backbone_dir, data_dir):
+    from tokenmaxx.inference.tree import chain
+    from tokenmaxx.training.metrics import evaluate
+
+    model, _ = load_backbone(str(backbone_dir))
+    data = load_data(str(data_dir), 48, 0.3, 64, 0)
+    features = BackboneFeatures(model, data)
+    heads = MedusaHeads.for_backbone(model, num_heads=2)  # untrained: every head repeats the backbone's guess
+    answers = {t for r in data.eval for t in data.examples[r].ids[data.examples[r].prompt_len:].tolist()}
+    never = torch.tensor(sorted(set(range(96)) - answers))  # tokens no held-out target is
+    assert never.numel() > 0
+    results = {}
+    for name, vocab in (("all", None), ("never", never), ("everything", torch.arange(96).flip(0))):
+        objective = HeadsObjective(heads, vocab=vocab)
+        results[name] = evaluate(objective, model.lm_head, features, data, chain(2), 4, 0, 1)
+    # the whole vocabulary in another order: the same metrics (the loss up to the softmax's summation order)
+    assert results["everything"].pop("eval_loss") == pytest.approx(results["all"].pop("eval_loss"), rel=1e-5)
+    assert results["everything"] == results["all"]
+    assert max(results["all"]["head_top5"]) > 0
+    # no target can be guessed: every rank misses, yet every position still counts
+    assert results["never"]["head_top5"] == [0.0, 0.0] and results["never"]["tree_tau_empirical"] == 1.0
+    assert results["never"]["eval_positions"] == results["all"]["eval_positions"]
+
+
 # ---- features and metrics ----------------------------------------------------------------------------------------
 def test_feature_cache_matches_backbone_and_resumes(tmp_path, backbone_dir, data_dir):
     model, _ = load_backbone(str(backbone_dir))
@@ -290,6 +351,29 @@ def test_train_mtp_heads_resume_and_export(tmp_path, backbone_dir, data_dir):
     assert heads.config.extra["training"]["kind"] == "mtp" and heads.config.backbone == str(backbone_dir)
     with pytest.raises(CheckpointMismatchError, match=r"another head shape \(kind: checkpoint 'mtp', this run 'medus"):
         train(make_cfg(data_dir, tmp_path / "b", resume=True), model=model)
+
+
+def test_train_over_the_draft_vocabulary(tmp_path, backbone_dir, data_dir):
+    """--loss_vocab draft: trains (loss falls), exports the same vocabulary it trained on, resumes bit-identically,
+    and a checkpoint made over the whole vocabulary is refused."""
+    model, _ = load_backbone(str(backbone_dir))
+    mtp = dict(kind="mtp", feature_cache=str(tmp_path / "features"), draft_vocab_size=24, loss_vocab="draft")
+    straight = train(make_cfg(data_dir, tmp_path / "a", **mtp), model=model)
+    assert sum(straight.losses[-3:]) < 0.9 * sum(straight.losses[:3]), straight.losses
+    heads = DraftHeads.from_pretrained(straight.export_dir)
+    record = heads.config.extra["draft_vocab"]
+    assert record["loss"] is True and record["size"] == heads.draft_vocab.numel() == 24
+    first = train(make_cfg(data_dir, tmp_path / "b", **mtp), model=model, stop_after=3)
+    resumed = train(make_cfg(data_dir, tmp_path / "b", resume=True, **mtp), model=model)
+    assert first.losses + resumed.losses == straight.losses
+    full = dict(mtp, loss_vocab="full")
+    train(make_cfg(data_dir, tmp_path / "c", **full), model=model, stop_after=3)
+    with pytest.raises(CheckpointMismatchError, match=r"other training settings \(loss_vocab: checkpoint None, this run 24"):
+        train(make_cfg(data_dir, tmp_path / "c", resume=True, **mtp), model=model)
+    with pytest.raises(ValueError, match="--loss_vocab draft .* --draft_vocab_size"):
+        make_cfg(data_dir, tmp_path / "d", loss_vocab="draft")
+    with pytest.raises(ValueError, match=r"--loss_vocab must be one of \('full', 'draft'\), got 'some'"):
+        make_cfg(data_dir, tmp_path / "d", loss_vocab="some", draft_vocab_size=24)
 
 
 def _train_heads_main():

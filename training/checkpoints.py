@@ -25,7 +25,7 @@ BACKBONE_FIELDS = ("backbone", "backbone_revision", "adapter", "adapter_revision
 HEAD_FIELDS = ("kind", "num_heads", "num_layers", "share_lm_head")
 ORDER_FIELDS = ("data_fingerprint", "seed", "seq_len", "eval_fraction", "eval_max_examples", "micro_batch_size",
                 "grad_accum", "world_size", "max_steps", "lr", "warmup", "weight_decay", "grad_clip", "zero_stage",
-                "dtype", "loss", "head_decay")
+                "dtype", "loss", "head_decay", "loss_vocab")
 
 
 class CheckpointMismatchError(ValueError):
@@ -49,8 +49,10 @@ def run_identity(cfg, heads_config, data_fingerprint: str, world_size: int) -> d
     """What a checkpoint is tied to (``cfg``: the resolved TrainConfig; ``heads_config``: HeadsConfig)."""
     identity = {name: getattr(heads_config, name) for name in BACKBONE_FIELDS + HEAD_FIELDS}
     identity.update({name: getattr(cfg, name) for name in ORDER_FIELDS
-                     if name not in ("data_fingerprint", "world_size")})
+                     if name not in ("data_fingerprint", "world_size", "loss_vocab")})
     identity.update(data_fingerprint=data_fingerprint, world_size=world_size)
+    # absent from checkpoints made before --loss_vocab existed: None (all tokens) matches them
+    identity["loss_vocab"] = cfg.draft_vocab_size if getattr(cfg, "loss_vocab", "full") == "draft" else None
     return identity
 
 

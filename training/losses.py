@@ -98,6 +98,12 @@ class Selection:
     valid: torch.Tensor  # [K, n] bool
     teacher: torch.Tensor | None  # [m, V] fp32 log-probs of the backbone's own distributions (KL losses), or None
     row: torch.Tensor | None  # [K, n] index into teacher (-1 where not valid), or None
+    in_vocab: torch.Tensor | None = None  # [K, n] bool: the target is in the loss vocabulary (None: all tokens are)
+
+    @property
+    def trained(self) -> torch.Tensor:
+        """[K, n] bool: rows the loss scores (a valid target inside the loss vocabulary)."""
+        return self.valid if self.in_vocab is None else self.valid & self.in_vocab
 
 
 class HeadsObjective(nn.Module):
@@ -115,15 +121,47 @@ class HeadsObjective(nn.Module):
 
     Heads that share the backbone's lm_head are scored through ``linear_cross_entropy`` on these states without
     materialising [K, n, V] logits; other heads through their logits.
+
+    ``vocab`` (token ids, e.g. the heads' draft vocabulary): score over those tokens only, the distribution being
+    the softmax over them (what drafting with that vocabulary ranks). Targets outside it are not trained; the
+    targets and the KL teacher are re-indexed into it (``Selection.targets`` then holds positions in ``vocab``).
     """
 
-    def __init__(self, heads: nn.Module, loss: str = "ce", head_decay: float = 0.8):
+    def __init__(self, heads: nn.Module, loss: str = "ce", head_decay: float = 0.8,
+                 vocab: torch.Tensor | None = None):
         super().__init__()
         self.heads = heads
         self.loss_kind = loss
         self.weights = head_weights(heads.config.num_heads, head_decay)  # plain floats: not a checkpointed buffer
         self.sequential = callable(getattr(heads, "unrolled_states", None))
         self.fused = heads.config.share_lm_head and (self.sequential or callable(getattr(heads, "head_states", None)))
+        # plain attributes, not buffers: nothing here is trained or checkpointed
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten()
+        if self.vocab is not None and (self.vocab.numel() == 0 or self.vocab.unique().numel() != self.vocab.numel()):
+            raise ValueError(f"the loss vocabulary must be distinct token ids, got {self.vocab.numel()} ids with "
+                             f"{self.vocab.unique().numel()} distinct")
+        self._rows_key = self._rows = None  # the lm_head rows at ``vocab``, and which weight they were taken from
+
+    def projection(self, lm_head: nn.Module) -> torch.Tensor:
+        """The weight the heads' states are scored with: the lm_head's [V, H], or its rows at ``vocab`` [Vd, H]."""
+        weight = lm_head.weight
+        if self.vocab is None:
+            return weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+        if self._rows_key != key:
+            if int(self.vocab.max()) >= weight.shape[0]:
+                raise ValueError(f"loss vocabulary has token id {int(self.vocab.max())}, but the lm_head has only "
+                                 f"{weight.shape[0]} rows")
+            self._rows, self._rows_key = weight.detach()[self.vocab], key
+        return self._rows
+
+    def _project(self, states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits over the loss vocabulary of final-normed states [..., H] through the frozen lm_head."""
+        if self.vocab is None:
+            return lm_head(states)
+        if getattr(lm_head, "bias", None) is not None:
+            return lm_head(states)[..., self.vocab]
+        return F.linear(states, self.projection(lm_head))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
                 lengths: torch.Tensor, lm_head: nn.Module,
@@ -135,17 +173,18 @@ class HeadsObjective(nn.Module):
         """
         sel = self.select(hidden, input_ids, answer_start, lengths, lm_head)
         num_heads, n = sel.targets.shape
-        safe = torch.where(sel.valid, sel.targets, 0).flatten()  # [K*n] (invalid rows get weight 0 below)
+        trained = sel.trained
+        safe = torch.where(trained, sel.targets, 0).flatten()  # [K*n] (other rows get weight 0 below)
         rows = None if sel.row is None else sel.row.clamp(min=0).flatten()
         if self.fused and getattr(lm_head, "bias", None) is None:
             states = self.head_states(hidden, input_ids, sel.selected, embed)  # [K, n, H]
-            ce, kl, hit = linear_cross_entropy(states.reshape(num_heads * n, -1), lm_head.weight, safe, sel.teacher,
-                                               rows)
+            ce, kl, hit = linear_cross_entropy(states.reshape(num_heads * n, -1), self.projection(lm_head), safe,
+                                               sel.teacher, rows)
         else:
             logits = self.head_logits(hidden, input_ids, sel.selected, lm_head, embed)  # [K, n, V]
             ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), safe, sel.teacher, rows)
         shape = (num_heads, n)
-        return self.loss(ce.view(shape), kl.view(shape), hit.view(shape), sel.valid)
+        return self.loss(ce.view(shape), kl.view(shape), hit.view(shape), trained)
 
     def head_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, selected: torch.Tensor,
                     embed: nn.Module | None) -> torch.Tensor:
@@ -163,11 +202,13 @@ class HeadsObjective(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, selected: torch.Tensor, lm_head: nn.Module,
                     embed: nn.Module | None) -> torch.Tensor:
-        """Every head's logits at the selected positions [K, n, V] (same arguments as ``head_states``)."""
+        """Every head's logits at the selected positions [K, n, V] (V: the loss vocabulary's size; same arguments as
+        ``head_states``)."""
         if self.sequential:
-            return lm_head(self.head_states(hidden, input_ids, selected, embed))
+            return self._project(self.head_states(hidden, input_ids, selected, embed), lm_head)
         dtype = next(self.heads.parameters()).dtype
-        return self.heads(hidden[selected].to(dtype), lm_head)
+        logits = self.heads(hidden[selected].to(dtype), lm_head)
+        return logits if self.vocab is None else logits[..., self.vocab]
 
     def select(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
                lengths: torch.Tensor, lm_head: nn.Module) -> Selection:
@@ -181,9 +222,17 @@ class HeadsObjective(nn.Module):
             dtype = next(self.heads.parameters()).dtype
             need, row = teacher_rows(valid)  # [B, T], [K, B, T]
             with torch.no_grad():
-                teacher = F.log_softmax(lm_head(hidden[need].to(dtype)).float(), dim=-1)  # [m, V]
+                teacher = F.log_softmax(self._project(hidden[need].to(dtype), lm_head).float(), dim=-1)  # [m, V]
             row = row[:, selected]  # [K, n]
-        return Selection(selected, targets[:, selected], valid[:, selected], teacher, row)
+        targets = targets[:, selected]  # [K, n]
+        in_vocab = None
+        if self.vocab is not None:
+            index = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long)  # token id -> position in vocab
+            index[self.vocab] = torch.arange(self.vocab.numel())
+            targets = index[targets]
+            in_vocab = targets >= 0
+            targets = targets.clamp(min=0)
+        return Selection(selected, targets, valid[:, selected], teacher, row, in_vocab)
 
     def loss(self, ce: torch.Tensor, kl: torch.Tensor, hit: torch.Tensor,
              valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -114,12 +114,16 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
         hidden = features.hidden(batch)  # [B, W, H]
         sel = objective.select(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head)
         logits = objective.head_logits(hidden, batch.input_ids, sel.selected, lm_head, embed)  # [K, n, V]
-        targets, valid = sel.targets, sel.valid  # [K, n]
+        targets, valid, trained = sel.targets, sel.valid, sel.trained  # [K, n]
         num_heads, n = targets.shape
-        ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), torch.where(valid, targets, 0).flatten(),
+        ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1),
+                                           torch.where(trained, targets, 0).flatten(),
                                            sel.teacher, None if sel.row is None else sel.row.clamp(min=0).flatten())
-        loss, _ = objective.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n), valid)
-        counts.add(target_ranks(logits, targets), valid)
+        loss, _ = objective.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n), trained)
+        ranks = target_ranks(logits, targets)
+        if sel.in_vocab is not None:  # a target outside the loss vocabulary can never be guessed: a miss at every rank
+            ranks = torch.where(sel.in_vocab, ranks, torch.iinfo(ranks.dtype).max)
+        counts.add(ranks, valid)
         n = float(valid.any(0).sum())
         loss_sum += torch.tensor([float(loss) * n, n], dtype=torch.float64)
     objective.train(was_training)

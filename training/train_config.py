@@ -17,6 +17,7 @@ from tokenmaxx.heads import HEAD_KINDS
 
 DEFAULT_DS_CONFIG = str(Path(__file__).with_name("ds_config.json"))
 LOSSES = ("ce", "kl", "ce+kl")
+LOSS_VOCABS = ("full", "draft")
 DTYPES = ("float32", "bfloat16")
 SHARED_LM_HEAD_KINDS = ("mtp",)  # head kinds that have no lm_head of their own
 
@@ -68,6 +69,10 @@ class TrainConfig:
                 "(drafting then projects onto those + the prompt's tokens: much cheaper guesses); unset = all tokens"})
 
     # ---- objective -----------------------------------------------------------------------------------------------
+    loss_vocab: str = field(default="full", metadata={
+        "help": f"one of {LOSS_VOCABS}: score the heads over all tokens, or only over the draft vocabulary (needs "
+                "--draft_vocab_size; the frozen lm_head projection, most of a step, shrinks by V/Vd, ~3x for SmolLM2 "
+                "at 16K; targets outside it are not trained, and held-out metrics count them as misses)"})
     loss: str = field(default="ce", metadata={
         "help": f"one of {LOSSES}: cross-entropy on the self-distilled tokens, KL to the backbone's own "
                 "distribution at t+k, or their sum"})
@@ -133,6 +138,11 @@ class TrainConfig:
                              "--share_lm_head must be true")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.loss_vocab not in LOSS_VOCABS:
+            raise ValueError(f"--loss_vocab must be one of {LOSS_VOCABS}, got {self.loss_vocab!r}")
+        if self.loss_vocab == "draft" and not self.draft_vocab_size:
+            raise ValueError("--loss_vocab draft scores the heads over the draft vocabulary: give its size with "
+                             "--draft_vocab_size")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 < self.head_decay <= 1.0:

@@ -217,7 +217,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                               share_lm_head=cfg.share_lm_head)
     tree = parse_tree(heads.config.tree, cfg.num_heads)
-    objective = HeadsObjective(heads, cfg.loss, cfg.head_decay)
+    vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
+    objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None)
     identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world)  # checked before any work
     resumed = checkpoints.prepare(cfg.checkpoint_dir, identity, cfg.resume, rank)
     _barrier()
@@ -291,7 +292,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
              "train_positions_per_s": round(result.positions_per_s, 1),
              "rank_weight_digests": rank_weight_digests(engine.module.heads, world)}
     if cfg.draft_vocab_size:
-        extra["_draft_vocab"], extra["draft_vocab"] = draft_vocab_from(data, cfg.draft_vocab_size)
+        extra["_draft_vocab"], extra["draft_vocab"] = vocab, {**vocab_record, "loss": cfg.loss_vocab == "draft"}
     export_heads(engine.module.heads, cfg, extra, rank)  # 10. export
     return result
 
