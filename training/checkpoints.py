@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -97,10 +98,25 @@ def prepare(folder: Path, identity: dict, resume: bool, rank: int) -> bool:
     return tag is not None
 
 
-def save(engine, folder: Path, step: int, keep: int, rank: int) -> None:
+@dataclass
+class Progress:
+    """What a run has spent up to a checkpoint, summed over the processes that made it (a resumed run counts the time
+    of the work its checkpoints kept: steps after the last checkpoint of a killed process are redone, and counted
+    once)."""
+
+    wall_seconds: float = 0.0  # from each process's start to the checkpoint
+    step_seconds: float = 0.0  # inside optimizer steps
+    positions: float = 0.0  # trained positions
+    processes: int = 0  # processes (starts) that made these steps
+    known: bool = True  # False: resumed from a checkpoint older than this record (its earlier time is missing)
+
+
+def save(engine, folder: Path, step: int, keep: int, rank: int, progress: Progress | None = None) -> None:
     """Checkpoint the heads, optimizer and scheduler (collective: every rank calls it), then prune old tags."""
     tag = f"step-{step:06d}"
     client_state = {"tokenmaxx_step": step, "torch_rng": torch.get_rng_state()}
+    if progress is not None:
+        client_state["tokenmaxx_progress"] = asdict(progress)
     engine.save_checkpoint(str(folder), tag=tag, client_state=client_state, exclude_frozen_parameters=True)
     if rank == 0 and keep > 0:
         tags = sorted(p for p in folder.glob("step-*") if p.is_dir())
@@ -109,8 +125,9 @@ def save(engine, folder: Path, step: int, keep: int, rank: int) -> None:
                 shutil.rmtree(old)
 
 
-def load(engine, folder: Path) -> int:
-    """Restore the newest checkpoint into ``engine``; returns the optimizer step it was taken at."""
+def load(engine, folder: Path) -> tuple[int, Progress]:
+    """Restore the newest checkpoint into ``engine``; returns the optimizer step it was taken at and the run's
+    progress up to it (``known=False`` for checkpoints made before progress was recorded)."""
     load_path, client_state = engine.load_checkpoint(str(folder), load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
     if load_path is None:
@@ -120,4 +137,5 @@ def load(engine, folder: Path) -> int:
     if step != engine.global_steps:
         raise RuntimeError(f"checkpoint {load_path}: step {step} but the engine restored global_steps "
                            f"{engine.global_steps}")
-    return step
+    recorded = client_state.get("tokenmaxx_progress")
+    return step, Progress(**recorded) if recorded else Progress(known=False)

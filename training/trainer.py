@@ -233,9 +233,9 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
         atomic_write_text(out / "ds_config.resolved.json", _json(ds))
     engine = build_engine(objective, ds)  # 7. engine
     if resumed:  # 8. checkpoints
-        step = checkpoints.load(engine, cfg.checkpoint_dir)
+        step, before = checkpoints.load(engine, cfg.checkpoint_dir)
     else:
-        step = 0
+        step, before = 0, checkpoints.Progress()
         # WarmupCosineLR starts at iteration -1 (lr 0, and a warning) and its warm-up at iteration 0 is lr 0 again:
         # one step here makes the first optimizer step the warm-up's first (lr 0, as HF's linear warm-up does).
         engine.lr_scheduler.step()
@@ -246,6 +246,12 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
                                cfg.micro_batch_size)
     result = TrainResult(export_dir=cfg.heads_export_dir, steps=step)
     positions = seconds = 0.0
+
+    def progress() -> checkpoints.Progress:  # the run's totals so far, this process included
+        return checkpoints.Progress(before.wall_seconds + time.perf_counter() - wall_start,
+                                    before.step_seconds + seconds, before.positions + positions,
+                                    before.processes + 1, before.known)
+
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train heads", unit="step", disable=rank != 0)
     saved_at = step if resumed else -1
     while step < cfg.max_steps:
@@ -263,7 +269,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             logger.log(record)
         if cfg.save_every and step % cfg.save_every == 0:
-            checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank)
+            checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank, progress())
             saved_at = step
         if stop_after is not None and step >= stop_after:
             if saved_at != step:
@@ -277,19 +283,24 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
                                                                   cfg, rank, world)})
     bar.close()
     if saved_at != step:
-        checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank)
+        checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank, progress())
     result.metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world)
     logger.log({"split": "eval", "step": step, **result.metrics})
     logger.close()
     result.steps = step
     result.positions_per_s = positions / seconds if seconds else 0.0
     result.wall_seconds = time.perf_counter() - wall_start
+    total = progress()
     extra = {"training": cfg.to_dict(), "requested": requested, "deepspeed": ds, "world_size": world,
              "data": {"path": str(cfg.data), "provenance": data.provenance, "fingerprint": data.fingerprint,
                       "rows": data.num_rows, "train_examples": len(data.train), "eval_examples": len(data.eval),
                       "dropped": data.dropped},
-             "metrics": result.metrics, "steps": step, "wall_seconds": round(result.wall_seconds, 2),
-             "train_positions_per_s": round(result.positions_per_s, 1),
+             "metrics": result.metrics, "steps": step, "wall_seconds": round(total.wall_seconds, 2),
+             "train_positions_per_s": round(total.positions / total.step_seconds, 1) if total.step_seconds else 0.0,
+             "processes": total.processes,
+             **({} if total.known else {"time_note": "resumed from a checkpoint made before time was recorded: "
+                                                     "wall_seconds and train_positions_per_s cover the later "
+                                                     "processes only"}),
              "rank_weight_digests": rank_weight_digests(engine.module.heads, world)}
     if cfg.draft_vocab_size:
         extra["_draft_vocab"], extra["draft_vocab"] = vocab, {**vocab_record, "loss": cfg.loss_vocab == "draft"}
