@@ -195,7 +195,7 @@ def test_objective_over_a_loss_vocabulary(kind, loss):
     with pytest.raises(ValueError, match="distinct token ids"):
         HeadsObjective(heads, vocab=torch.tensor([3, 3]))
     with pytest.raises(ValueError, match="token id 500, but the lm_head has only 96 rows"):
-        HeadsObjective(heads, vocab=torch.tensor([3, 500])).projection(lm_head)
+        HeadsObjective(heads, vocab=torch.tensor([3, 500]))(hidden, ids, answer_start, lengths, lm_head, embed=embed)
 
 
 def test_heldout_metrics_count_targets_outside_the_loss_vocabulary_as_misses(backbone_dir, data_dir):

@@ -149,11 +149,14 @@ class HeadsObjective(nn.Module):
             return weight
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
         if self._rows_key != key:
-            if int(self.vocab.max()) >= weight.shape[0]:
-                raise ValueError(f"loss vocabulary has token id {int(self.vocab.max())}, but the lm_head has only "
-                                 f"{weight.shape[0]} rows")
+            self._check_vocab(weight.shape[0])
             self._rows, self._rows_key = weight.detach()[self.vocab], key
         return self._rows
+
+    def _check_vocab(self, size: int) -> None:
+        if int(self.vocab.max()) >= size:
+            raise ValueError(f"loss vocabulary has token id {int(self.vocab.max())}, but the lm_head has only "
+                             f"{size} rows")
 
     def _project(self, states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits over the loss vocabulary of final-normed states [..., H] through the frozen lm_head."""
@@ -227,6 +230,7 @@ class HeadsObjective(nn.Module):
         targets = targets[:, selected]  # [K, n]
         in_vocab = None
         if self.vocab is not None:
+            self._check_vocab(lm_head.weight.shape[0])
             index = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long)  # token id -> position in vocab
             index[self.vocab] = torch.arange(self.vocab.numel())
             targets = index[targets]
