@@ -169,8 +169,9 @@ def _training_rows(extra: dict) -> list[tuple[str, str]]:
     processes = _get(extra, "processes", int)
     if wall != NOT_RECORDED and processes and processes > 1:
         wall += f" in {processes} runs (resumed from checkpoints)"
-    if wall != NOT_RECORDED and _get(extra, "time_note", str):
-        wall += f"; {_get(extra, 'time_note', str)}"
+    note = _get(extra, "time_note", str)
+    if wall != NOT_RECORDED and note:
+        wall += f"; {note}"
     return [("data", data),
             ("optimizer steps", f"{steps:,}" if steps is not None else NOT_RECORDED),
             ("sequences per step", per_step),

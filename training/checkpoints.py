@@ -53,7 +53,7 @@ def run_identity(cfg, heads_config, data_fingerprint: str, world_size: int) -> d
                      if name not in ("data_fingerprint", "world_size", "loss_vocab")})
     identity.update(data_fingerprint=data_fingerprint, world_size=world_size)
     # absent from checkpoints made before --loss_vocab existed: None (all tokens) matches them
-    identity["loss_vocab"] = cfg.draft_vocab_size if getattr(cfg, "loss_vocab", "full") == "draft" else None
+    identity["loss_vocab"] = cfg.draft_vocab_size if cfg.loss_vocab == "draft" else None
     return identity
 
 

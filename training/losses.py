@@ -137,26 +137,30 @@ class HeadsObjective(nn.Module):
         self.fused = heads.config.share_lm_head and (self.sequential or callable(getattr(heads, "head_states", None)))
         # plain attributes, not buffers: nothing here is trained or checkpointed
         self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten()
-        if self.vocab is not None and (self.vocab.numel() == 0 or self.vocab.unique().numel() != self.vocab.numel()):
-            raise ValueError(f"the loss vocabulary must be distinct token ids, got {self.vocab.numel()} ids with "
-                             f"{self.vocab.unique().numel()} distinct")
-        self._rows_key = self._rows = None  # the lm_head rows at ``vocab``, and which weight they were taken from
+        if self.vocab is not None:
+            distinct = self.vocab.unique().numel()
+            if self.vocab.numel() == 0 or distinct != self.vocab.numel():
+                raise ValueError(f"the loss vocabulary must be distinct token ids, got {self.vocab.numel()} ids with "
+                                 f"{distinct} distinct")
+        self._tables_key = self._tables = None  # see ``vocab_tables``, and which lm_head weight they were made from
+
+    def vocab_tables(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """For ``vocab``: the lm_head rows at it [Vd, H] and token id -> position in it (-1 outside) [V]; built once
+        per lm_head weight."""
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+        if self._tables_key != key:
+            if int(self.vocab.max()) >= weight.shape[0]:
+                raise ValueError(f"loss vocabulary has token id {int(self.vocab.max())}, but the lm_head has only "
+                                 f"{weight.shape[0]} rows")
+            index = torch.full((weight.shape[0],), -1, dtype=torch.long)
+            index[self.vocab] = torch.arange(self.vocab.numel())
+            self._tables, self._tables_key = (weight.detach()[self.vocab], index), key
+        return self._tables
 
     def projection(self, lm_head: nn.Module) -> torch.Tensor:
         """The weight the heads' states are scored with: the lm_head's [V, H], or its rows at ``vocab`` [Vd, H]."""
-        weight = lm_head.weight
-        if self.vocab is None:
-            return weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
-        if self._rows_key != key:
-            self._check_vocab(weight.shape[0])
-            self._rows, self._rows_key = weight.detach()[self.vocab], key
-        return self._rows
-
-    def _check_vocab(self, size: int) -> None:
-        if int(self.vocab.max()) >= size:
-            raise ValueError(f"loss vocabulary has token id {int(self.vocab.max())}, but the lm_head has only "
-                             f"{size} rows")
+        return lm_head.weight if self.vocab is None else self.vocab_tables(lm_head)[0]
 
     def _project(self, states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits over the loss vocabulary of final-normed states [..., H] through the frozen lm_head."""
@@ -230,10 +234,7 @@ class HeadsObjective(nn.Module):
         targets = targets[:, selected]  # [K, n]
         in_vocab = None
         if self.vocab is not None:
-            self._check_vocab(lm_head.weight.shape[0])
-            index = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long)  # token id -> position in vocab
-            index[self.vocab] = torch.arange(self.vocab.numel())
-            targets = index[targets]
+            targets = self.vocab_tables(lm_head)[1][targets]
             in_vocab = targets >= 0
             targets = targets.clamp(min=0)
         return Selection(selected, targets, valid[:, selected], teacher, row, in_vocab)
