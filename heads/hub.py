@@ -257,6 +257,7 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
         "accuracies": _accuracy_rows(metrics),
         "eval_positions": _get(metrics, "eval_positions", int),
         "tau_empirical": _get(metrics, "tree_tau_empirical", (int, float)),
+        "tau_nodes": _get(metrics, "tree_nodes", int),  # the tree those taus were measured with
         "tau_product": _get(metrics, "tree_tau_product", (int, float)),
         "tree": {"nodes": tree.num_nodes, "depth": tree.depth, "own": config.tree is not None,
                  "paths": json.dumps([list(p) for p in tree.paths])},

