@@ -138,6 +138,18 @@ def test_too_long_prompts_are_skipped_and_counted(tmp_path, backbone):
     assert [len(ids) for _, ids in prompts] == [14, 24]
 
 
+def test_short_prompts_are_skipped_and_counted_when_a_minimum_is_set(tmp_path, backbone):
+    # min_prompt_tokens makes a long-prompt set disjoint from one made earlier with a lower max_prompt_tokens
+    model, tokenizer = tiny_model(max_position_embeddings=48), backbone[1]
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a" * n} for n in (10, 30, 19, 20, 41)])
+    data = make_data(config(tmp_path, [source], max_new_tokens=4, min_prompt_tokens=24), model, tokenizer,
+                     stats := DataStats())
+    assert [len(p) for p in data["prompt"]] == [30, 20] and (stats.too_short, stats.too_long) == (2, 1)
+    assert json.loads(data.info.description)["skipped"]["too_short"] == 2
+    with pytest.raises(ValueError, match="min_prompt_tokens=600 is above max_prompt_tokens=512"):
+        DataConfig(output_dir="x", min_prompt_tokens=600)
+
+
 def test_empty_after_filtering_is_one_clear_error(tmp_path, backbone):
     source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "what is 2+2?"}, {"prompt": "x" * 300}])
     bench = write_jsonl(tmp_path / "bench.jsonl", [{"turns": ["What is 2+2?"]}])
