@@ -136,7 +136,8 @@ class DataStats:
         return (f"{self.prompts} records, {self.answer_tokens} answer tokens, {self.tokens_per_s:.1f} tokens/s "
                 f"({self.generated_tokens} generated in {self.generate_seconds:.1f}s this run); read "
                 f"{self.records_read}, skipped: {self.excluded} benchmark, {self.duplicates} duplicate, "
-                f"{self.too_long} too long, {self.too_short} too short, {self.unusable} unusable, {self.partial_tail} cut-off tail")
+                f"{self.too_long} too long, {self.too_short} too short, {self.unusable} unusable, "
+                f"{self.partial_tail} cut-off tail")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,26 @@
+"""Merge self-distilled datasets (make_data outputs of one backbone) into one, to train on the mix.
+
+    python scripts/merge_data.py data/sharegpt-smollm2 data/sharegpt-long --output_dir data/sharegpt-mix
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokenmaxx.training.merge_data import merge_data
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="+", help="make_data output folders, in the order their rows are kept")
+    parser.add_argument("--output_dir", "--output-dir", required=True, help="new folder for the merged dataset")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output_dir")
+    args = parser.parse_args(argv)
+    dataset = merge_data(args.parts, args.output_dir, overwrite=args.overwrite)
+    print(f"merge_data: {args.output_dir}: {len(dataset)} records from {len(args.parts)} datasets", flush=True)
+    return dataset
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

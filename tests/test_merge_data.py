@@ -1,0 +1,88 @@
+"""merge_data: make_data outputs of one backbone -> one dataset the trainer reads, with a merged provenance."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+
+from conftest import tiny_model
+from tiny_tokenizer import tiny_tokenizer
+from tokenmaxx.training.batches import load_data
+from tokenmaxx.training.data import DataConfig, make_data
+from tokenmaxx.training.merge_data import merge_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """Two make_data outputs of the same tiny backbone: short prompts, then long ones (as in the recipe)."""
+    root = tmp_path_factory.mktemp("merge")
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    out = []
+    for name, lengths, bounds in [("short", (3, 5, 7), dict(max_prompt_tokens=12)),
+                                  ("long", (3, 14, 20), dict(min_prompt_tokens=13))]:
+        source = root / f"{name}.jsonl"
+        source.write_text("".join(json.dumps({"prompt": "b" * n}) + "\n" for n in lengths))
+        make_data(DataConfig(output_dir=str(root / name), sources=[str(source)], exclude=[], dtype="float32",
+                             max_new_tokens=6, batch_size=2, chunk_size=4, **bounds), model, tokenizer)
+        out.append(root / name)
+    return out
+
+
+def test_merge_keeps_rows_in_order_and_merges_provenance(parts, tmp_path):
+    short, long = (datasets.load_from_disk(str(p)) for p in parts)
+    merged = merge_data(parts, tmp_path / "mix")
+    assert list(merged["prompt"]) == list(short["prompt"]) + list(long["prompt"]) == \
+        ["bbb", "bbbbb", "bbbbbbb", "b" * 14, "b" * 20]
+    assert list(merged["answer_ids"]) == list(short["answer_ids"]) + list(long["answer_ids"])
+    prov = json.loads((tmp_path / "mix" / "provenance.json").read_text())
+    assert prov == json.loads(merged.info.description)
+    own = [json.loads((p / "provenance.json").read_text()) for p in parts]
+    assert prov["num_records"] == 5 and prov["answer_tokens"] == sum(o["answer_tokens"] for o in own)
+    assert prov["sources"] == [own[0]["sources"][0], own[1]["sources"][0]]
+    assert prov["backbone_revision"] == own[0]["backbone_revision"] and prov["sampling"] == {"greedy": True}
+    assert "min_prompt_tokens" not in prov  # the parts differ there: kept only in their own records
+    assert [p["min_prompt_tokens"] for p in prov["parts"]] == [0, 13]
+    assert [p["path"] for p in prov["parts"]] == [str(p) for p in parts]
+    data = load_data(tmp_path / "mix", seq_len=64, eval_fraction=0.2, eval_max_examples=8, seed=0)
+    assert data.num_rows == 5 and data.provenance == prov  # what the trainer records with the heads
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_merge_refuses_bad_parts_and_outputs(parts, tmp_path):
+    with pytest.raises(ValueError, match="at least two"):
+        merge_data(parts[:1], tmp_path / "one")
+    with pytest.raises(FileNotFoundError, match="do not exist"):
+        merge_data([parts[0], tmp_path / "nowhere"], tmp_path / "x")
+    with pytest.raises(ValueError, match="is one of the parts"):
+        merge_data(parts, parts[0])
+    (tmp_path / "plain").mkdir()
+    datasets.Dataset.from_dict({"prompt_ids": [[1]], "answer_ids": [[2]]}).save_to_disk(str(tmp_path / "plain"))
+    with pytest.raises(FileNotFoundError, match="no provenance.json"):
+        merge_data([parts[0], tmp_path / "plain"], tmp_path / "x")
+    other = tmp_path / "other"
+    datasets.load_from_disk(str(parts[1])).save_to_disk(str(other))
+    prov = json.loads((parts[1] / "provenance.json").read_text())
+    (other / "provenance.json").write_text(json.dumps({**prov, "backbone_revision": "another"}))
+    with pytest.raises(ValueError, match="disagree on backbone_revision"):
+        merge_data([parts[0], other], tmp_path / "x")
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".tmp-*"))  # nothing half-written
+    merge_data(parts, tmp_path / "mix")
+    with pytest.raises(FileExistsError, match="exists"):
+        merge_data(parts, tmp_path / "mix")
+    assert len(merge_data(parts[::-1], tmp_path / "mix", overwrite=True)) == 5
+
+
+def test_merge_script(parts, tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import merge_data as script
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    script.main([*map(str, parts), "--output_dir", str(tmp_path / "mix")])
+    assert "5 records from 2 datasets" in capsys.readouterr().out

@@ -1,0 +1,87 @@
+"""Several self-distilled datasets -> one, for training on a mix (e.g. short chat prompts + long-document prompts).
+
+The parts must be answers of the same backbone at the same revision (the heads learn what that backbone says). Rows are
+concatenated in the order given (``datasets.concatenate_datasets``). The merged ``provenance.json`` keeps every part's
+own record under ``parts`` and, at the top, what the trainer and the model card read: the settings all parts share,
+the sources (in order, without repeats) and the summed counts. The output is written under a temp name and renamed:
+it exists whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import datasets
+
+from .data import FEATURES, PROVENANCE_NAME, TMP_PREFIX, _quiet_datasets, _remove, _write_json, count_answer_tokens
+
+MUST_AGREE = ("backbone", "backbone_revision", "eos_token_id")  # answers of another backbone are another target
+SUMMED = ("num_records", "answer_tokens", "records_read")
+
+
+def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
+    if not (path / PROVENANCE_NAME).is_file():
+        raise FileNotFoundError(f"{path} has no {PROVENANCE_NAME}: expected a folder written by make_data "
+                                "(scripts/make_data.py)")
+    try:
+        provenance = json.loads((path / PROVENANCE_NAME).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path / PROVENANCE_NAME} is not valid JSON ({err})") from None
+    dataset = datasets.load_from_disk(str(path))
+    if not isinstance(dataset, datasets.Dataset):
+        raise ValueError(f"{path} holds splits {list(dataset)}; merge_data takes make_data outputs (one Dataset each)")
+    if missing := sorted(set(FEATURES) - set(dataset.column_names)):
+        raise ValueError(f"{path} lacks columns {missing}; it has {dataset.column_names}")
+    dataset = dataset.select_columns(list(FEATURES))
+    if dataset.features != FEATURES:
+        with _quiet_datasets():
+            dataset = dataset.cast(FEATURES)
+    return dataset, provenance
+
+
+def merged_provenance(parts: Sequence[tuple[str, dict]]) -> dict:
+    """The top-level record of a merge: shared settings, ordered sources, summed counts, and each part's own record."""
+    records = [p for _, p in parts]
+    for key in MUST_AGREE:
+        values = {json.dumps(r.get(key), sort_keys=True) for r in records}
+        if len(values) > 1:
+            found = ", ".join(f"{path}: {r.get(key)!r}" for path, r in parts)
+            raise ValueError(f"the parts disagree on {key} ({found}); merge only data answered by one backbone")
+    shared = {k: v for k, v in records[0].items()
+              if k not in SUMMED and all(json.dumps(r.get(k), sort_keys=True) == json.dumps(v, sort_keys=True)
+                                         for r in records[1:])}
+    sources = list(dict.fromkeys(s for r in records for s in r.get("sources") or []))
+    sums = {k: sum(int(r.get(k) or 0) for r in records) for k in SUMMED}
+    return {**shared, **sums, "sources": sources, "parts": [{"path": path, **r} for path, r in parts]}
+
+
+def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: bool = False) -> datasets.Dataset:
+    """Concatenate make_data outputs ``parts`` into ``output_dir`` (refused if it exists, unless ``overwrite``)."""
+    if len(parts) < 2:
+        raise ValueError(f"merge_data needs at least two datasets, got {len(parts)}")
+    out = Path(output_dir)
+    paths = [Path(p) for p in parts]
+    if missing := [str(p) for p in paths if not p.is_dir()]:
+        raise FileNotFoundError(f"datasets {missing} do not exist (expected folders written by make_data)")
+    if any(out.resolve() == p.resolve() for p in paths):
+        raise ValueError(f"the output {out} is one of the parts; choose a new folder")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; choose a new folder or pass --overwrite")
+    loaded = [_read_part(p) for p in paths]
+    provenance = merged_provenance([(str(p), prov) for p, (_, prov) in zip(paths, loaded)])
+    dataset = datasets.concatenate_datasets([d for d, _ in loaded])
+    provenance.update(num_records=len(dataset), answer_tokens=count_answer_tokens(dataset))  # counted, not trusted
+    dataset.info.description = json.dumps(provenance, sort_keys=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(TMP_PREFIX + out.name)
+    if tmp.exists():
+        _remove(tmp)  # left by a killed merge
+    with _quiet_datasets():
+        dataset.save_to_disk(str(tmp))
+    _write_json(tmp / PROVENANCE_NAME, provenance)
+    if out.exists():
+        _remove(out)
+    tmp.rename(out)
+    return datasets.load_from_disk(str(out))
