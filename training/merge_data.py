@@ -15,20 +15,18 @@ from pathlib import Path
 
 import datasets
 
-from .data import FEATURES, PROVENANCE_NAME, TMP_PREFIX, _quiet_datasets, _remove, _write_json, count_answer_tokens
+from .batches import read_provenance
+from .data_folder import FEATURES, PROVENANCE_NAME, TMP_PREFIX, count_answer_tokens, quiet_datasets, remove, write_json
 
 MUST_AGREE = ("backbone", "backbone_revision", "eos_token_id")  # answers of another backbone are another target
-SUMMED = ("num_records", "answer_tokens", "records_read")
+COUNTED = ("num_records", "answer_tokens")  # counted on the merged rows
 
 
 def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
     if not (path / PROVENANCE_NAME).is_file():
         raise FileNotFoundError(f"{path} has no {PROVENANCE_NAME}: expected a folder written by make_data "
                                 "(scripts/make_data.py)")
-    try:
-        provenance = json.loads((path / PROVENANCE_NAME).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path / PROVENANCE_NAME} is not valid JSON ({err})") from None
+    provenance = read_provenance(path)
     dataset = datasets.load_from_disk(str(path))
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(f"{path} holds splits {list(dataset)}; merge_data takes make_data outputs (one Dataset each)")
@@ -36,25 +34,23 @@ def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
         raise ValueError(f"{path} lacks columns {missing}; it has {dataset.column_names}")
     dataset = dataset.select_columns(list(FEATURES))
     if dataset.features != FEATURES:
-        with _quiet_datasets():
+        with quiet_datasets():
             dataset = dataset.cast(FEATURES)
     return dataset, provenance
 
 
-def merged_provenance(parts: Sequence[tuple[str, dict]]) -> dict:
-    """The top-level record of a merge: shared settings, ordered sources, summed counts, and each part's own record."""
+def merged_provenance(parts: Sequence[tuple[str, dict]], dataset: datasets.Dataset) -> dict:
+    """The top-level record of a merge: shared settings, ordered sources, counts, and each part's own record."""
     records = [p for _, p in parts]
     for key in MUST_AGREE:
-        values = {json.dumps(r.get(key), sort_keys=True) for r in records}
-        if len(values) > 1:
+        if any(r.get(key) != records[0].get(key) for r in records[1:]):
             found = ", ".join(f"{path}: {r.get(key)!r}" for path, r in parts)
             raise ValueError(f"the parts disagree on {key} ({found}); merge only data answered by one backbone")
-    shared = {k: v for k, v in records[0].items()
-              if k not in SUMMED and all(json.dumps(r.get(k), sort_keys=True) == json.dumps(v, sort_keys=True)
-                                         for r in records[1:])}
-    sources = list(dict.fromkeys(s for r in records for s in r.get("sources") or []))
-    sums = {k: sum(int(r.get(k) or 0) for r in records) for k in SUMMED}
-    return {**shared, **sums, "sources": sources, "parts": [{"path": path, **r} for path, r in parts]}
+    shared = {k: v for k, v in records[0].items() if k not in COUNTED and all(r.get(k) == v for r in records[1:])}
+    return {**shared, "sources": list(dict.fromkeys(s for r in records for s in r.get("sources") or [])),
+            "records_read": sum(int(r.get("records_read") or 0) for r in records),
+            "num_records": len(dataset), "answer_tokens": count_answer_tokens(dataset),
+            "parts": [{"path": path, **r} for path, r in parts]}
 
 
 def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: bool = False) -> datasets.Dataset:
@@ -70,18 +66,17 @@ def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: b
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new folder or pass --overwrite")
     loaded = [_read_part(p) for p in paths]
-    provenance = merged_provenance([(str(p), prov) for p, (_, prov) in zip(paths, loaded)])
     dataset = datasets.concatenate_datasets([d for d, _ in loaded])
-    provenance.update(num_records=len(dataset), answer_tokens=count_answer_tokens(dataset))  # counted, not trusted
+    provenance = merged_provenance([(str(p), prov) for p, (_, prov) in zip(paths, loaded)], dataset)
     dataset.info.description = json.dumps(provenance, sort_keys=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(TMP_PREFIX + out.name)
     if tmp.exists():
-        _remove(tmp)  # left by a killed merge
-    with _quiet_datasets():
+        remove(tmp)  # left by a killed merge
+    with quiet_datasets():
         dataset.save_to_disk(str(tmp))
-    _write_json(tmp / PROVENANCE_NAME, provenance)
+    write_json(tmp / PROVENANCE_NAME, provenance)
     if out.exists():
-        _remove(out)
+        remove(out)
     tmp.rename(out)
     return datasets.load_from_disk(str(out))

@@ -1,0 +1,100 @@
+"""make_data's output folder: settings check, shards and the final dataset, each written under a temp name and renamed
+(a killed run leaves only complete files and temp names, which the next run removes). merge_data writes the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import datasets
+import pyarrow.compute as pc
+
+FEATURES = datasets.Features({"prompt": datasets.Value("string"),
+                              "prompt_ids": datasets.List(datasets.Value("int64")),
+                              "answer_ids": datasets.List(datasets.Value("int64"))})
+TMP_PREFIX = ".tmp-"  # anything named so in the output folder is unfinished and removed on the next run
+SETTINGS_NAME, PROVENANCE_NAME, SHARDS_DIR = "settings.json", "provenance.json", "shards"
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(TMP_PREFIX + path.name)
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def remove(path: Path) -> None:
+    """Delete a file, or a folder after renaming it to a temp name (so a kill midway leaves only a temp folder)."""
+    if path.is_dir() and not path.name.startswith(TMP_PREFIX):
+        doomed = path.with_name(TMP_PREFIX + "del-" + path.name)
+        os.replace(path, doomed)
+        path = doomed
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def prepare_output(out: Path, settings: dict, overwrite: bool) -> None:
+    """Create ``out`` with settings.json, or check that it was made with the same settings; drop unfinished files."""
+    settings_file = out / SETTINGS_NAME
+    ours = settings_file.is_file()
+    if out.is_dir() and not ours and any(not p.name.startswith(TMP_PREFIX) for p in out.iterdir()):
+        raise ValueError(f"{out} exists but was not made by make_data (no {SETTINGS_NAME}); choose a new output_dir")
+    if ours and overwrite:
+        for part in [p for p in out.iterdir() if p != settings_file] + [settings_file]:  # settings.json last
+            remove(part)
+    elif ours:
+        old = json.loads(settings_file.read_text())
+        changes = [f"{k}: {old.get(k)!r} there, {settings.get(k)!r} now" for k in sorted(set(old) | set(settings))
+                   if old.get(k) != settings.get(k)]
+        if changes:
+            raise ValueError(f"{out} holds data made with other settings ({'; '.join(changes)}); resuming would mix "
+                             "them. Use a new output_dir, or --overwrite to delete it and start again")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(TMP_PREFIX + "*"), *(out / SHARDS_DIR).glob(TMP_PREFIX + "*")]:
+        remove(stale)
+    if not settings_file.is_file():
+        write_json(settings_file, settings)
+
+
+@contextlib.contextmanager
+def quiet_datasets():  # datasets' per-save progress bars would bury ours
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars() if was_enabled else None
+
+
+def count_answer_tokens(dataset: datasets.Dataset) -> int:  # without materialising the column
+    return pc.sum(pc.list_value_length(dataset.data.column("answer_ids"))).as_py() or 0
+
+
+def write_shard(path: Path, rows: dict[str, list]) -> None:
+    """Save one chunk's records under a temp name, then rename: the shard exists whole or not at all."""
+    tmp = path.with_name(TMP_PREFIX + path.name)
+    with quiet_datasets():
+        datasets.Dataset.from_dict(rows, features=FEATURES).save_to_disk(str(tmp))
+    os.replace(tmp, path)
+
+
+def assemble(out: Path, num_shards: int, provenance: dict) -> datasets.Dataset:
+    """Concatenate the shards into the final dataset in ``out`` (state.json moved in last), then drop the shards."""
+    shards = [datasets.load_from_disk(str(out / SHARDS_DIR / f"{i:05d}")) for i in range(num_shards)]
+    dataset = datasets.concatenate_datasets(shards)
+    provenance = {**provenance, "num_records": len(dataset), "answer_tokens": count_answer_tokens(dataset)}
+    dataset.info.description = json.dumps(provenance, sort_keys=True)
+    tmp = out / (TMP_PREFIX + "final")
+    with quiet_datasets():
+        dataset.save_to_disk(str(tmp))
+    for stale in out.glob("data-*.arrow"):  # from an assembly that was killed before its state.json
+        stale.unlink()
+    for part in sorted(tmp.iterdir(), key=lambda p: p.name == "state.json"):
+        if part.name == "state.json":
+            write_json(out / PROVENANCE_NAME, provenance)
+        os.replace(part, out / part.name)
+    remove(tmp)
+    remove(out / SHARDS_DIR)
+    return datasets.load_from_disk(str(out))
