@@ -248,6 +248,7 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
     tree = parse_tree(config.tree if config.kind != "mtp" else None, config.num_heads)
     defaults = DynamicTreeConfig()
     dynamic = {"nodes": defaults.nodes, "topk": defaults.topk, "depth": defaults.depth or config.num_heads,
+               "min_mass": defaults.min_mass,
                **{k: v for k, v in (_get(extra, "dynamic_tree", dict) or {}).items() if v is not None}}
     metrics = _get(extra, "metrics", dict) or {}
     context = {

@@ -9,8 +9,12 @@ tokens, each given its ancestors). One level:
 
 After ``depth`` levels the tree keeps the ``nodes - 1`` best candidates overall (plus the root). A child's score is at
 most its parent's (log-probs are <= 0), and ties go to the shallower node, so the kept set always contains each kept
-node's parent. Growth stops early once no frontier node can still enter the kept set. The tree is compiled into the
-same buffers as static trees (``tree.compile_buffers``) and verified, accepted and committed by the same code.
+node's parent. Growth stops early once no frontier node can still enter the kept set, or once the frontier's total
+draft probability (by the draft's own estimate, the chance that the backbone's path reaches a node the next level
+would expand) is below ``min_mass``: each level costs one module pass and one vocabulary projection (~2-4 ms for
+SmolLM2 on a 2-core CPU, a few percent of a verify forward), more than a level that is rarely reached gives back.
+The tree is compiled into the same buffers as static trees (``tree.compile_buffers``) and verified, accepted and
+committed by the same code.
 
 ``expand_tree`` is the pure algorithm (any child-log-prob function); ``MTPDrafter`` runs it with an ``MTPHeads``
 module and keeps the module's own KV cache across rounds.
@@ -18,6 +22,7 @@ module and keeps the module's own KV cache across rounds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,11 +32,15 @@ from transformers import DynamicCache
 from .tree import TreeBuffers, compile_buffers
 
 
+MIN_MASS = 0.5  # default min_mass (chosen on tree_search.CALIBRATION_PROMPTS; see the shipped MTP heads RECIPE.md)
+
+
 @dataclass(frozen=True)
 class DynamicTreeConfig:
     nodes: int = 32  # kept nodes, root included (what one verify pass holds)
     topk: int = 8  # children per expanded node, and frontier width
     depth: int | None = None  # levels drafted; None: the heads' trained depth (config.num_heads)
+    min_mass: float = MIN_MASS  # a level is drafted only while its frontier's total draft probability reaches this
 
     def __post_init__(self) -> None:
         for name in ("nodes", "topk"):
@@ -40,10 +49,14 @@ class DynamicTreeConfig:
                 raise ValueError(f"dynamic tree {name} must be a positive integer, got {value!r}")
         if self.depth is not None and (not isinstance(self.depth, int) or self.depth < 1):
             raise ValueError(f"dynamic tree depth must be a positive integer or None, got {self.depth!r}")
+        if isinstance(self.min_mass, bool) or not isinstance(self.min_mass, (int, float)) \
+                or not 0 <= self.min_mass <= 1:
+            raise ValueError(f"dynamic tree min_mass must be a probability in [0, 1] (0 drafts every level), got "
+                             f"{self.min_mass!r}")
 
     @classmethod
     def parse(cls, spec: str) -> "DynamicTreeConfig":
-        """'dynamic', 'dynamic:NODES' or 'dynamic:nodes=N,topk=K,depth=D'."""
+        """'dynamic', 'dynamic:NODES' or 'dynamic:nodes=N,topk=K,depth=D,min_mass=M' (any subset of the keys)."""
         if spec == "dynamic":
             return cls()
         if not spec.startswith("dynamic:"):
@@ -55,13 +68,13 @@ class DynamicTreeConfig:
             kwargs = {}
             for part in body.split(","):
                 key, value = part.split("=")
-                if key not in ("nodes", "topk", "depth"):
+                if key not in ("nodes", "topk", "depth", "min_mass"):
                     raise ValueError(key)
-                kwargs[key] = int(value)
+                kwargs[key] = float(value) if key == "min_mass" else int(value)
             return cls(**kwargs)
         except ValueError as err:
             raise ValueError(f"bad dynamic tree spec {spec!r} ({err}): expected 'dynamic', 'dynamic:N' or "
-                             "'dynamic:nodes=N,topk=K,depth=D'") from None
+                             "'dynamic:nodes=N,topk=K,depth=D,min_mass=M'") from None
 
 
 @dataclass
@@ -83,13 +96,15 @@ class Candidates:
 
 def expand_tree(root: int, root_logprobs: torch.Tensor,
                 child_logprobs: Callable[[list[int], Candidates], torch.Tensor],
-                topk: int, depth: int, nodes: int, token_ids: torch.Tensor | None = None) -> DraftTree:
+                topk: int, depth: int, nodes: int, token_ids: torch.Tensor | None = None,
+                min_mass: float = 0.0) -> DraftTree:
     """Grow a draft tree (see the module docstring).
 
     root_logprobs [V]: draft log-probs of the root's children. ``child_logprobs(frontier, candidates)`` gets the
     frontier's candidate indices and all candidates so far, and returns the frontier's children's log-probs
     [len(frontier), V]. ``token_ids`` [V]: the token id of each log-prob column when they cover a draft vocabulary
-    (default: column = token id). Returns the tree, nodes ordered by depth, then score.
+    (default: column = token id). A level whose frontier's probabilities sum below ``min_mass`` is not drafted.
+    Returns the tree, nodes ordered by depth, then score.
     """
     ids = (lambda idx: token_ids[idx].tolist()) if token_ids is not None else (lambda idx: idx.tolist())
     top = root_logprobs.float().topk(min(topk, root_logprobs.numel()))
@@ -105,6 +120,8 @@ def expand_tree(root: int, root_logprobs: torch.Tensor,
         frontier = [c for c in frontier if scores[c] > floor]  # only these can still add kept nodes
         if not frontier:
             break
+        if sum(math.exp(scores[c]) for c in frontier) < min_mass:
+            break  # the draft itself expects too little of this level for what one more module pass costs
         logprobs = child_logprobs(frontier, cands).float()  # [F, V]
         top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
         child_scores = (torch.tensor([scores[c] for c in frontier])[:, None] + top.values).tolist()  # [F, k]
@@ -214,7 +231,8 @@ class MTPDrafter:
 
         try:
             return expand_tree(root, self._logprobs(self.last_state), child_logprobs, self.config.topk, depth,
-                               self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids)
+                               self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
+                               min_mass=self.config.min_mass)
         finally:
             if self.cached > cached:  # drop the tree's entries (crop takes a negative count in transformers 5)
                 self.cache.crop(cached - self.cached)

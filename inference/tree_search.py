@@ -18,6 +18,7 @@ import platform
 import statistics
 import time
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -329,9 +330,9 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     them whose path equals the continuation. Returns ({budget: mean tau}, mean propose seconds).
     """
     from .draft_vocab import DraftVocab
-    from .dynamic_tree import DynamicTreeConfig, MTPDrafter
+    from .dynamic_tree import MTPDrafter
 
-    drafter = MTPDrafter(heads, model, DynamicTreeConfig(nodes=max(budgets), topk=config.topk, depth=config.depth))
+    drafter = MTPDrafter(heads, model, dataclasses.replace(config, nodes=max(budgets)))
     totals = dict.fromkeys(budgets, 0.0)
     positions, propose_s = 0, 0.0
     for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens):
@@ -365,7 +366,7 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
 
     config = config or DynamicTreeConfig()
     machine = machine_fingerprint(model)
-    key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth]})
+    key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth, config.min_mass]})
     path = _cache_path(key, cache_root)
     if path.is_file() and not refresh:
         return DynamicTreeConfig(**json.loads(path.read_text())["dynamic_tree"])
@@ -373,13 +374,12 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
     latency = fit_latency(measured)
     # drafting cost grows with the budget (more levels survive the pruning): measure the overhead of each one
-    loop = {n: measure_overhead(model, heads, tokenizer, DynamicTreeConfig(nodes=n, topk=config.topk,
-                                                                           depth=config.depth)) for n in taus}
+    loop = {n: measure_overhead(model, heads, tokenizer, dataclasses.replace(config, nodes=n)) for n in taus}
     table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop[n],
               "tokens_per_s": tau / (latency[n] + loop[n])} for n, tau in sorted(taus.items())]
     best = max(table, key=lambda row: row["tokens_per_s"])
-    chosen = DynamicTreeConfig(nodes=best["nodes"], topk=config.topk, depth=config.depth)
-    _write_record(path, {"dynamic_tree": {"nodes": chosen.nodes, "topk": chosen.topk, "depth": chosen.depth},
+    chosen = dataclasses.replace(config, nodes=best["nodes"])
+    _write_record(path, {"dynamic_tree": dataclasses.asdict(chosen),
                          "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop,
                          "propose_seconds": propose_s, "table": table})
     return chosen

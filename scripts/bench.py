@@ -43,7 +43,8 @@ class BenchArgs:
         "help": "comma list of: baseline, prompt_lookup, assisted, tokenmaxx[:<tree>] (drafted as --draft says), "
                 "hybrid[:<tree>] (heads + lookup branches), lookup (our loop, lookup branches only); "
                 "medusa[:<tree>], mtp[:<tree>], medusa_hybrid, mtp_hybrid (the same with heads of that kind, to "
-                "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N] (MTP)"})
+                "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N] or "
+                "dynamic:nodes=N,topk=K,depth=D,min_mass=M (MTP)"})
     draft: str = field(default="heads", metadata={"help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
     prompts: str = field(default=str(DEFAULT_PROMPTS), metadata={
         "help": "Spec-Bench-style jsonl (question_id, category, turns)"})
@@ -62,11 +63,23 @@ class BenchArgs:
             raise ValueError(f"--limit must be positive, got {self.limit}")
 
 
+def split_methods(spec: str) -> list[str]:
+    """The comma list of --methods; a part like 'min_mass=0' (a key=value with no ':') continues the dynamic tree
+    spec before it, so 'mtp:dynamic:nodes=8,min_mass=0,medusa' is two methods."""
+    names: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if "=" in part and ":" not in part and names:
+            names[-1] += "," + part
+        elif part:
+            names.append(part)
+    return names
+
+
 def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
     """name -> callable(input_ids, max_new_tokens) -> new tokens; plus notes (skipped methods, choices)."""
     methods, notes = {"baseline": hf_method(model)}, {}
     heads = {}  # (kind, spec) -> loaded heads, shared by the methods that use them
-    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+    for name in split_methods(args.methods):
         if name == "baseline":
             continue
         if name == "prompt_lookup":

@@ -34,15 +34,19 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
         [sys.executable, str(REPO / "scripts" / "bench.py"), "--backbone", str(tmp_path / "tiny"), "--heads",
          "untrained", "--dtype", "float32", "--threads", "1", "--max_new_tokens", "12", "--prompts", str(prompts),
          "--methods", "baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:2,hybrid,lookup,medusa,mtp,"
-         "mtp:dynamic:6,mtp_hybrid", "--medusa_heads", "untrained", "--mtp_heads", str(tmp_path / "mtp"),
+         "mtp:dynamic:nodes=6,min_mass=0,mtp_hybrid", "--medusa_heads", "untrained",
+         "--mtp_heads", str(tmp_path / "mtp"),
          "--lookup_tokens", "2,4",
          "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.with_suffix(".json").read_text())
     assert set(report) == {"config", "machine", "methods"}
-    ours = ("tokenmaxx", "tokenmaxx:chain:2", "hybrid", "lookup", "medusa", "mtp", "mtp:dynamic:6", "mtp_hybrid")
+    ours = ("tokenmaxx", "tokenmaxx:chain:2", "hybrid", "lookup", "medusa", "mtp", "mtp:dynamic:nodes=6,min_mass=0",
+            "mtp_hybrid")
     assert set(report["methods"]) == {"baseline", "prompt_lookup", *ours}
-    assert report["config"]["notes"]["mtp:dynamic:6 tree"] == {"nodes": 6, "topk": 8, "depth": None}
+    assert report["config"]["notes"]["mtp:dynamic:nodes=6,min_mass=0 tree"] == {"nodes": 6, "topk": 8, "depth": None,
+                                                                                 "min_mass": 0.0}
+    assert report["config"]["notes"]["mtp tree"]["min_mass"] == 0.5  # the default
     assert "skipped" in report["config"]["notes"]["assisted"]
     keys = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}
     for name, m in report["methods"].items():

@@ -119,5 +119,6 @@ def test_card_describes_mtp_heads():
     text = render_model_card(heads.config, "org/mtp").text
     assert "MTP-style sequential draft module" in text and "`qwen2` family" in text
     assert "| depth | top-1 | top-5 |" in text and "the 12 best nodes" in text
+    assert "at most 3 levels" in text and "holds at least\n0.5 of the draft's probability" in text
     assert "3 frequent tokens + each prompt's tokens" in text
     assert "Each path lists ranks" not in text  # no static tree for a dynamic drafter

@@ -184,16 +184,44 @@ def test_expand_tree_stops_when_no_frontier_node_can_enter():
     assert tree.buffers.num_nodes == 3 and calls == [1]
 
 
+def test_expand_tree_stops_below_min_mass():
+    calls = []
+    children = {1: _lp({3: 0.5}), 2: _lp({4: 0.5})}
+
+    def child_logprobs(frontier, cands):
+        calls.append([cands.tokens[c] for c in frontier])
+        return torch.stack([children.get(cands.tokens[c], _lp({})) for c in frontier])
+
+    def grow(min_mass):
+        calls.clear()
+        return expand_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=3, nodes=40, min_mass=min_mass)
+
+    # level 2's frontier (1, 2) holds 0.9 of the draft's probability, level 3's (1-3, 2-4) 0.25 + 0.2 = 0.45
+    tree = grow(0.5)
+    assert calls == [[1, 2]] and tree.buffers.depth == 2
+    grow(0.4)
+    assert calls == [[1, 2], [3, 4]]
+    tree = grow(0.95)
+    assert calls == [] and tree.buffers.num_nodes == 3
+    grow(0.0)  # 0 drafts every level
+    assert calls == [[1, 2], [3, 4]]
+
+
 def test_dynamic_tree_specs():
     assert DynamicTreeConfig.parse("dynamic:48") == DynamicTreeConfig(nodes=48)
     assert DynamicTreeConfig.parse("dynamic:nodes=16,topk=4,depth=6") == DynamicTreeConfig(16, 4, 6)
-    for bad in ("dynamic:0", "dynamic:nodes=8,width=2", "dynamic:x"):
+    assert DynamicTreeConfig.parse("dynamic:nodes=12,min_mass=0.1") == DynamicTreeConfig(nodes=12, min_mass=0.1)
+    for bad in ("dynamic:0", "dynamic:nodes=8,width=2", "dynamic:x", "dynamic:min_mass=1.5",
+                "dynamic:min_mass=nan", "dynamic:min_mass=-0.1"):
         with pytest.raises(ValueError, match="dynamic"):
             DynamicTreeConfig.parse(bad)
+    with pytest.raises(ValueError, match="min_mass must be a probability"):
+        DynamicTreeConfig(min_mass=True)
 
 
 # ---- greedy identity -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tree", ["dynamic", "dynamic:nodes=6,topk=3,depth=5", "dynamic:2"])
+# min_mass=0: random heads' flat guesses would otherwise stop growth after level 1 (their frontier holds little mass)
+@pytest.mark.parametrize("tree", ["dynamic", "dynamic:nodes=6,topk=3,depth=5,min_mass=0", "dynamic:2"])
 def test_random_mtp_heads_match_greedy(model, tree):
     assert_matches_greedy(SpeculativeGenerator(model, random_mtp(model), tree=tree), model, 6, seed=4)
 
