@@ -2,7 +2,7 @@
 # End-to-end recipe for the default backbone, SmolLM2-135M-Instruct (alias smollm2-135m):
 #   1. self-distilled data: ShareGPT prompts answered by the backbone itself (greedy, bf16)
 #   2. feature cache + DeepSpeed training of 4 Medusa heads (1 residual block each, shared frozen lm_head)
-#   3. export into heads/pretrained/smollm2-135m (config.json records training config, data provenance, metrics)
+#   3. export into heads/pretrained/smollm2-135m-medusa (config.json records training config, data provenance, metrics)
 # Every step resumes where it stopped when re-run with the same settings.
 #
 # Knobs (environment): MAX_PROMPTS (20000), MAX_NEW_TOKENS (256), EPOCHS (2), NPROC (1 process; 2 = torchrun),
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DATA=${DATA:-data/sharegpt-smollm2}
 RUN=${RUN:-runs/smollm2-135m}
-EXPORT=${EXPORT:-heads/pretrained/smollm2-135m}
+EXPORT=${EXPORT:-heads/pretrained/smollm2-135m-medusa}
 NPROC=${NPROC:-1}
 
 # 1. Data. The flags are scripts/make_data.py's (training/data.py, DataConfig); benchmark prompts in shared/bench are
