@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from .tree import TreeBuffers, compile_buffers
 
 
-MIN_MASS = 0.5  # default min_mass (chosen on tree_search.CALIBRATION_PROMPTS; see the shipped MTP heads RECIPE.md)
+MIN_MASS = 0.5  # default min_mass, chosen on tree_search.CALIBRATION_PROMPTS (heads/pretrained/smollm2-135m/RECIPE.md)
 
 
 @dataclass(frozen=True)

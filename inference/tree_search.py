@@ -12,13 +12,13 @@ construction); the search then only has to pick N, using the measured verify lat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import platform
 import statistics
 import time
 from collections import Counter
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
