@@ -40,7 +40,7 @@ CALIBRATION_PROMPTS = (
     "Describe the water cycle for a ten-year-old.",
 )
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
-CALIBRATION_VERSION = 2  # bumped when the calibration method changes, so stale cached choices are not reused
+CALIBRATION_VERSION = 3  # bumped when the calibration method changes, so stale cached choices are not reused
 
 
 def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tuple[tuple[int, ...], float]]:
@@ -196,12 +196,23 @@ def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] = CALIBRATIO
 
 def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
     """Seconds per speculative step spent outside the verify forward (propose, accept, commit, loop)."""
+    return measure_overheads(model, heads, tokenizer, {0: tree})[0]
+
+
+def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) -> dict:
+    """``measure_overhead`` of several trees (any key -> a tree or dynamic-tree config): short generations run
+    interleaved, ``repeats`` rounds over all trees, the median per tree kept, so a shared machine's load drifting
+    during calibration weighs on every tree alike instead of on whichever was measured then."""
     from .generator import SpeculativeGenerator
 
-    gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, tree=tree, strict_identity=False)
-    out = gen.generate([{"role": "user", "content": CALIBRATION_PROMPTS[0]}], max_new_tokens=48)
-    s = out.stats
-    return max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1)
+    gens = {key: SpeculativeGenerator(model, heads, tokenizer=tokenizer, tree=tree, strict_identity=False)
+            for key, tree in trees.items()}
+    samples: dict = {key: [] for key in trees}
+    for _ in range(repeats):
+        for key, gen in gens.items():
+            s = gen.generate([{"role": "user", "content": CALIBRATION_PROMPTS[0]}], max_new_tokens=48).stats
+            samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 @dataclass
@@ -373,13 +384,18 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
     measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
     latency = fit_latency(measured)
-    # drafting cost grows with the budget (more levels survive the pruning): measure the overhead of each one
-    loop = {n: measure_overhead(model, heads, tokenizer, dataclasses.replace(config, nodes=n)) for n in taus}
+    # drafting cost grows with the budget (more levels survive the pruning): measure the overhead of each one, and
+    # keep the curve never decreasing, as the latency's (a larger budget never drafts less; dips are noise)
+    measured_loop = measure_overheads(model, heads, tokenizer,
+                                      {n: dataclasses.replace(config, nodes=n) for n in taus})
+    loop, floor = {}, 0.0
+    for n in sorted(measured_loop):
+        floor = loop[n] = max(floor, measured_loop[n])
     table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop[n],
               "tokens_per_s": tau / (latency[n] + loop[n])} for n, tau in sorted(taus.items())]
     best = max(table, key=lambda row: row["tokens_per_s"])
     chosen = dataclasses.replace(config, nodes=best["nodes"])
     _write_record(path, {"dynamic_tree": dataclasses.asdict(chosen),
                          "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop,
-                         "propose_seconds": propose_s, "table": table})
+                         "measured_overhead": measured_loop, "propose_seconds": propose_s, "table": table})
     return chosen

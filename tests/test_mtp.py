@@ -312,6 +312,9 @@ def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypat
     record = json.loads(files[0].read_text())
     assert record["dynamic_tree"]["nodes"] == chosen.nodes and {r["nodes"] for r in record["table"]} == set(
         tree_search.DYNAMIC_BUDGETS)
+    overhead = [record["overhead"][str(n)] for n in tree_search.DYNAMIC_BUDGETS]  # fitted: never decreasing
+    assert overhead == sorted(overhead) and all(a >= b for a, b in zip(overhead, [
+        record["measured_overhead"][str(n)] for n in tree_search.DYNAMIC_BUDGETS]))
     monkeypatch.setattr(tree_search, "calibrate_dynamic", lambda *a, **k: pytest.fail("calibrated twice"))
     gen = SpeculativeGenerator(model, oracle, tokenizer=tok, tree="auto")
     assert gen.dynamic == chosen
