@@ -241,7 +241,8 @@ class HeadsCalibration:
 @dataclass
 class HeadsGate:
     """Whether the heads are worth running this round (hybrid drafting). Proposing costs a few ms per round even
-    when no heads node ends up accepted (SmolLM2 bf16 on 2 CPU cores: ~4 ms of a ~90 ms round); on text the lookup
+    when no heads node ends up accepted (SmolLM2 bf16 on 2 CPU cores, ~60-90 ms rounds: ~4 ms for Medusa heads,
+    ~6 ms for MTP heads, whose ~3 ms cache update runs every round either way); on text the lookup
     branches copy (translation: 2 heads tokens accepted in ~170 rounds) that is pure loss. Keeps a decayed mean of the
     tokens only the heads drafted that each proposing round accepted; below ``min_yield`` the heads sit out all but
     every ``explore_every``-th round, whose outcome keeps the estimate current. Counts rounds, not seconds, so seeded
