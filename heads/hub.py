@@ -21,6 +21,7 @@ PermissionError), FileNotFoundError (heads that are neither on the Hub nor in th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -247,8 +248,7 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
                          tags=[*TAGS, config.kind])
     tree = parse_tree(config.tree if config.kind != "mtp" else None, config.num_heads)
     defaults = DynamicTreeConfig()
-    dynamic = {"nodes": defaults.nodes, "topk": defaults.topk, "depth": defaults.depth or config.num_heads,
-               "min_mass": defaults.min_mass,
+    dynamic = {**dataclasses.asdict(defaults), "depth": defaults.depth or config.num_heads,
                **{k: v for k, v in (_get(extra, "dynamic_tree", dict) or {}).items() if v is not None}}
     metrics = _get(extra, "metrics", dict) or {}
     context = {

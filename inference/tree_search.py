@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import platform
 import statistics
@@ -388,9 +389,8 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     # keep the curve never decreasing, as the latency's (a larger budget never drafts less; dips are noise)
     measured_loop = measure_overheads(model, heads, tokenizer,
                                       {n: dataclasses.replace(config, nodes=n) for n in taus})
-    loop, floor = {}, 0.0
-    for n in sorted(measured_loop):
-        floor = loop[n] = max(floor, measured_loop[n])
+    sizes = sorted(measured_loop)
+    loop = dict(zip(sizes, itertools.accumulate((measured_loop[n] for n in sizes), max)))
     table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop[n],
               "tokens_per_s": tau / (latency[n] + loop[n])} for n, tau in sorted(taus.items())]
     best = max(table, key=lambda row: row["tokens_per_s"])

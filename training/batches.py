@@ -21,8 +21,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .data_folder import PROVENANCE_NAME
+
 log = logging.getLogger(__name__)
-PROVENANCE = "provenance.json"
 EVAL_SPLITS = ("validation", "test")
 
 
@@ -63,14 +64,14 @@ def window_start(prompt_len: int, num_heads: int) -> int:
 
 
 def read_provenance(data_dir: Path) -> dict:
-    for path in (data_dir / PROVENANCE, data_dir.parent / PROVENANCE):
+    for path in (data_dir / PROVENANCE_NAME, data_dir.parent / PROVENANCE_NAME):
         if path.is_file():
             try:
                 return json.loads(path.read_text())
             except json.JSONDecodeError as err:
                 raise ValueError(f"data provenance {path} is not valid JSON ({err})") from None
     log.warning("no %s in or beside %s: the exported heads will not record where their data came from",
-                PROVENANCE, data_dir)
+                PROVENANCE_NAME, data_dir)
     return {}
 
 
