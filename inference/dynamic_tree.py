@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
+from .decoding import grouped_query_sdpa
 from .tree import TreeBuffers, compile_buffers
 
 
@@ -166,7 +167,8 @@ class MTPDrafter:
         dtype = self.heads.fuse.weight.dtype
         mask = torch.zeros(1, 1, *visible.shape, dtype=dtype)
         mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
-        return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache)[0]
+        with grouped_query_sdpa(self.heads):
+            return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache)[0]
 
     def start(self, hidden: torch.Tensor, input_ids: torch.Tensor, root: int) -> None:
         """After the prefill. hidden [P, H] backbone states of the prompt, input_ids [P], root = the first new token.

@@ -41,7 +41,8 @@ CALIBRATION_PROMPTS = (
     "Describe the water cycle for a ten-year-old.",
 )
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
-CALIBRATION_VERSION = 3  # bumped when the calibration method changes, so stale cached choices are not reused
+CALIBRATION_VERSION = 4  # bumped when the calibration method or what it times changes (4: GQA verify), so stale
+# cached choices and latency tables are not reused
 
 
 def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tuple[tuple[int, ...], float]]:

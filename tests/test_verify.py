@@ -1,12 +1,14 @@
 """Verification through the public forward: tree logits equal per-path forwards; commit leaves the plain cache."""
 
+import os
+
 import pytest
 import torch
 from conftest import tiny_model
 from transformers import DynamicCache
 
 from tokenmaxx.inference import Tree, accept_greedy, commit, verify
-from tokenmaxx.inference.decoding import tree_attention_bias
+from tokenmaxx.inference.decoding import GQA_SWITCH, tree_attention_bias
 
 TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
 
@@ -86,3 +88,30 @@ def test_accept_greedy_on_hand_built_logits():
     says(0, 31)  # nothing agrees: only the bonus token
     acc = accept_greedy(tokens, logits, buffers)
     assert acc.nodes.tolist() == [0] and acc.tokens == [31]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypatch):
+    """On CPU a tree forward hands SDPA the shared key/value heads (enable_gqa) instead of transformers' per-layer
+    copies of them; the logits are the same bit for bit, and the environment switch is put back afterwards (a value
+    the user set is left alone)."""
+    model = tiny_model(arch, seed=7)  # 4 query heads share 2 key/value heads
+    prefix = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(3, 96, (TREE.buffers.num_nodes,), generator=torch.Generator().manual_seed(1))
+    sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        grouped.append(kwargs.get("enable_gqa", False))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.delenv(GQA_SWITCH, raising=False)
+    with torch.no_grad():
+        fast = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])
+        assert GQA_SWITCH not in os.environ
+        assert grouped[-2:] == [True, True]  # both layers of the tree forward
+        monkeypatch.setenv(GQA_SWITCH, "0")  # the user's choice wins: repeated heads
+        plain = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])
+        assert os.environ[GQA_SWITCH] == "0"
+        assert grouped[-2:] == [False, False]
+    assert torch.equal(fast.logits, plain.logits) and torch.equal(fast.hidden, plain.hidden)
