@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -225,7 +226,8 @@ class SpeculativeGenerator:
 
         start = time.perf_counter()
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                         **_last_logits_only(self.model, prompt_len))
         last = out.logits[0, -1]  # [V]
         root = sample(target_probs(last, warpers), rng) if sampling else int(last.argmax())
         hidden = out.hidden_states[-1][0, -1]  # [H]
@@ -342,6 +344,20 @@ class SpeculativeGenerator:
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
+
+
+def _last_logits_only(model, prompt_len: int) -> dict:
+    """Prefill keyword that has the backbone project only the last prompt position onto the vocabulary.
+
+    The prefill needs the logits of the last position alone; all of them are [P, V] (SmolLM2: 40 ms and 39 MB at 400
+    tokens, 0.8 GB in fp32 at 4,096). An index tensor rather than the int ``logits_to_keep=1``: the int slices a
+    [1, 1, H] view with the prompt's batch stride, which torch 2.13 on CPU projects through a slow path with frozen
+    weights (100 ms instead of 3 ms for SmolLM2's lm_head in bf16); indexing makes a fresh tensor. Models whose
+    forward has no ``logits_to_keep`` get every position as before.
+    """
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"logits_to_keep": torch.tensor([prompt_len - 1])}
 
 
 @functools.lru_cache(maxsize=64)

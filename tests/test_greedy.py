@@ -95,3 +95,31 @@ def test_stats_and_streamer(model):
     assert s.steps == sum(s.accepted_hist.values())
     assert s.new_tokens == len(out.new_tokens) == 12 and s.tokens_per_s > 0
     assert 1.0 <= s.mean_tau
+
+
+def test_prefill_projects_only_the_last_prompt_position(model):
+    """The prefill scores one position, not the whole prompt ([P, V] logits); a backbone whose forward takes no
+    ``logits_to_keep`` is still served (every position), and both match greedy generate."""
+    input_ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
+    expected = greedy_reference(model, input_ids, 10).tolist()
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda _, args, out: rows.append(out.shape[-2]))
+    try:
+        gen = SpeculativeGenerator(model, random_heads(model))
+        assert gen.generate(input_ids, max_new_tokens=10).sequences.tolist() == expected
+        assert rows[0] == 1  # the prefill; verify rounds follow
+        forward = model.forward
+
+        def without_logits_to_keep(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                                   use_cache=None, output_hidden_states=None):
+            return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past_key_values, use_cache=use_cache,
+                           output_hidden_states=output_hidden_states)
+
+        model.forward = without_logits_to_keep
+        rows.clear()
+        assert gen.generate(input_ids, max_new_tokens=10).sequences.tolist() == expected
+        assert rows[0] == 12
+    finally:
+        hook.remove()
+        del model.forward
