@@ -68,19 +68,31 @@ def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtyp
 GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' own switch for SDPA's grouped-query attention
 
 
+def shares_kv_heads(model) -> bool:
+    """Whether ``grouped_query_sdpa`` applies to (layers built from) this model's config: on CPU, fewer key/value heads
+    than query heads, and keys and values of one head size of at most 256 (what transformers asks of SDPA's GQA)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads or next(model.parameters()).device.type != "cpu":
+        return False
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    key_dim, value_dim = getattr(config, "qk_head_dim", head_dim), getattr(config, "v_head_dim", head_dim)
+    return (getattr(config, "num_key_value_heads", None) or heads) < heads and key_dim == value_dim <= 256
+
+
 @contextlib.contextmanager
-def grouped_query_sdpa(module: torch.nn.Module):
-    """Masked attention of a CPU model without copying the KV cache per layer (grouped-query attention models).
+def grouped_query_sdpa(enabled: bool = True):
+    """Masked attention without copying the KV cache per layer, for models that ``shares_kv_heads`` says it fits.
 
     Given a mask, transformers' SDPA attention repeats each key/value head for the query heads that share it (a copy
     of the layer's whole cache, every layer, every forward) instead of letting SDPA broadcast them (``enable_gqa``),
     because on CUDA a mask with ``enable_gqa`` falls back to the slow math kernel. On CPU SDPA takes both, with the
     same result bit for bit (SmolLM2 bf16 and fp32, tested on tiny models), and a tree verify forward is ~5-8% faster
-    (SmolLM2-135M, 9 nodes, 400 cached tokens). Within this context ``TRANSFORMERS_SDPA_FORCE_GQA`` is set for a
-    model on CPU; a value the user set is left alone, and other devices are untouched.
+    (SmolLM2-135M, 9 nodes, 400 cached tokens). Within this context ``TRANSFORMERS_SDPA_FORCE_GQA`` is set; a value
+    the user set is left alone. The switch is process-wide: a forward another thread runs meanwhile gets it too (on
+    CPU, with the same result).
     """
-    on_cpu = next(module.parameters()).device.type == "cpu"
-    if not on_cpu or GQA_SWITCH in os.environ:
+    if not enabled or GQA_SWITCH in os.environ:
         yield
         return
     os.environ[GQA_SWITCH] = "1"
@@ -96,7 +108,7 @@ def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len:
     tokens: [N]; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N`` after it.
     """
     dtype = model.get_output_embeddings().weight.dtype
-    with grouped_query_sdpa(model):
+    with grouped_query_sdpa(shares_kv_heads(model)):
         out = model(
             input_ids=tokens[None],  # [1, N]
             attention_mask=tree_attention_bias(buffers, prefix_len, dtype),  # [1, 1, N, P+N]

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from .decoding import grouped_query_sdpa
+from .decoding import grouped_query_sdpa, shares_kv_heads
 from .tree import TreeBuffers, compile_buffers
 
 
@@ -152,6 +152,7 @@ class MTPDrafter:
         self.heads, self.config, self.vocab = heads, config, vocab  # vocab: a DraftVocab, or None (all tokens)
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+        self.share_kv = shares_kv_heads(model)  # the module's layer is built from the backbone's config
         self.depth = config.depth or heads.config.num_heads
         self.cache = DynamicCache()
         self.next_position = 0  # position id of the next anchor
@@ -167,7 +168,7 @@ class MTPDrafter:
         dtype = self.heads.fuse.weight.dtype
         mask = torch.zeros(1, 1, *visible.shape, dtype=dtype)
         mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
-        with grouped_query_sdpa(self.heads):
+        with grouped_query_sdpa(self.share_kv):
             return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache)[0]
 
     def start(self, hidden: torch.Tensor, input_ids: torch.Tensor, root: int) -> None:

@@ -8,7 +8,7 @@ from conftest import tiny_model
 from transformers import DynamicCache
 
 from tokenmaxx.inference import Tree, accept_greedy, commit, verify
-from tokenmaxx.inference.decoding import GQA_SWITCH, tree_attention_bias
+from tokenmaxx.inference.decoding import GQA_SWITCH, shares_kv_heads, tree_attention_bias
 
 TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
 
@@ -115,3 +115,13 @@ def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypa
         assert os.environ[GQA_SWITCH] == "0"
         assert grouped[-2:] == [False, False]
     assert torch.equal(fast.logits, plain.logits) and torch.equal(fast.hidden, plain.hidden)
+
+
+def test_kv_head_sharing_only_where_it_fits():
+    """The switch is used for grouped-query models on CPU whose keys and values share one head size (<= 256)."""
+    assert shares_kv_heads(tiny_model("llama")) and shares_kv_heads(tiny_model("qwen2"))
+    assert not shares_kv_heads(tiny_model("llama", num_key_value_heads=4))  # one key/value head per query head
+    assert not shares_kv_heads(tiny_model("llama", head_dim=512, hidden_size=64))  # beyond SDPA's GQA head sizes
+    model = tiny_model("llama")
+    model.config.v_head_dim = 4  # keys and values of different sizes (MLA-style)
+    assert not shares_kv_heads(model)
