@@ -86,11 +86,13 @@ def grouped_query_sdpa(enabled: bool = True):
 
     Given a mask, transformers' SDPA attention repeats each key/value head for the query heads that share it (a copy
     of the layer's whole cache, every layer, every forward) instead of letting SDPA broadcast them (``enable_gqa``),
-    because on CUDA a mask with ``enable_gqa`` falls back to the slow math kernel. On CPU SDPA takes both, with the
-    same result bit for bit (SmolLM2 bf16 and fp32, tested on tiny models), and a tree verify forward is ~5-8% faster
-    (SmolLM2-135M, 9 nodes, 400 cached tokens). Within this context ``TRANSFORMERS_SDPA_FORCE_GQA`` is set; a value
-    the user set is left alone. The switch is process-wide: a forward another thread runs meanwhile gets it too (on
-    CPU, with the same result).
+    because on CUDA a mask with ``enable_gqa`` falls back to the slow math kernel. On CPU SDPA takes both: with 2+
+    queries the result is the same bit for bit (SmolLM2 bf16 and fp32 at 37-777 cached tokens, 2-16 nodes; tiny
+    models in the tests), and a tree verify forward is ~5-8% faster (SmolLM2-135M, 9 nodes, 400 cached tokens). A
+    single query differs at rounding level from transformers' own single-query layout (fp32: 1e-5), as any two
+    attention kernels do; greedy output stays identical to ``generate`` in fp32 (tested). Within this context
+    ``TRANSFORMERS_SDPA_FORCE_GQA`` is set; a value the user set is left alone. The switch is process-wide: a forward
+    another thread runs meanwhile gets it too (on CPU, the same attention).
     """
     if not enabled or GQA_SWITCH in os.environ:
         yield
