@@ -3,11 +3,17 @@
 from .backbones import BACKBONES, DEFAULT_BACKBONE, BackboneSpec, backbone_identity, cache_dir, load_backbone, \
     register_backbone
 from .config import HeadsConfig
-from .modeling import HEAD_KINDS, BackboneMismatchError, DraftHeads, register_head_kind
-from .medusa import MedusaHeads  # noqa: F401  (registers the "medusa" kind)
-from .mtp import MTPHeads  # noqa: F401  (registers the "mtp" kind)
+from .drafting import Draft, Outcome, Prefill
+from .dynamic_tree import DynamicTreeConfig
+from .modeling import BackboneMismatchError, DraftHeads
+from .registry import DEFAULT_HEAD_KIND, HEAD_KINDS, head_kind, register_head_kind
+from .medusa import MedusaHeads  # noqa: E402  (registers the "medusa" kind)
+from .mtp import MTPHeads  # noqa: E402  (registers the "mtp" kind)
 from .pretrained import default_heads_path, resolve_heads
+from .tree import Tree, TreeBuffers, chain, default_tree, parse_tree, sparse_tree
 
 __all__ = ["BACKBONES", "DEFAULT_BACKBONE", "BackboneSpec", "backbone_identity", "cache_dir", "load_backbone",
-           "register_backbone", "HeadsConfig", "HEAD_KINDS", "BackboneMismatchError", "DraftHeads",
-           "register_head_kind", "MedusaHeads", "MTPHeads", "default_heads_path", "resolve_heads"]
+           "register_backbone", "HeadsConfig", "Draft", "Outcome", "Prefill", "DynamicTreeConfig",
+           "BackboneMismatchError", "DraftHeads", "DEFAULT_HEAD_KIND", "HEAD_KINDS", "head_kind",
+           "register_head_kind", "MedusaHeads", "MTPHeads", "default_heads_path", "resolve_heads", "Tree",
+           "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree"]

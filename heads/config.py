@@ -7,13 +7,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .dynamic_tree import DynamicTreeConfig
+from .registry import DEFAULT_HEAD_KIND, head_kind
+from .tree import Tree
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass
 class HeadsConfig:
-    kind: str = field(default="medusa", metadata={"help": "head kind (a registered name, e.g. 'medusa')"})
+    kind: str = field(default=DEFAULT_HEAD_KIND, metadata={"help": "head kind (a registered name: 'mtp', 'medusa')"})
     num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions after the current one"})
     num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
     hidden_size: int = field(default=0, metadata={"help": "backbone hidden size H"})
@@ -30,15 +34,14 @@ class HeadsConfig:
     layer_config: dict[str, Any] | None = field(default=None, metadata={
         "help": "kind 'mtp': the backbone config (model_type and sizes) its decoder layers are built from"})
     tree: list[list[int]] | None = field(default=None, metadata={
-        "help": "draft tree as paths of ranks; None means the library's default tree"})
+        "help": "kinds that draft static trees (medusa): the tree as paths of ranks; None: the library's default"})
+    dynamic_tree: DynamicTreeConfig | None = field(default=None, metadata={
+        "help": "kinds that draft dynamic trees (mtp): node budget, top-k, depth, min_mass; None: the defaults"})
     extra: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "provenance: training config, data, metrics (free-form, JSON-serialisable)"})
 
     def __post_init__(self) -> None:
-        from .modeling import HEAD_KINDS
-
-        if self.kind not in HEAD_KINDS:
-            raise ValueError(f"unknown head kind {self.kind!r}: known kinds are {sorted(HEAD_KINDS)}")
+        kind = head_kind(self.kind)  # ValueError listing the known kinds
         for name in ("num_heads", "hidden_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -50,12 +53,16 @@ class HeadsConfig:
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
             raise ValueError(f"HeadsConfig.num_layers must be an integer >= 0, got {self.num_layers!r}")
         if self.tree is not None:
-            from tokenmaxx.inference.tree import Tree
-
             tree = Tree(self.tree)  # validates paths
             if tree.depth > self.num_heads:
                 raise ValueError(f"tree depth {tree.depth} exceeds num_heads {self.num_heads}")
             self.tree = [list(p) for p in tree.paths]
+        if isinstance(self.dynamic_tree, dict):
+            self.dynamic_tree = DynamicTreeConfig.from_dict(self.dynamic_tree)
+        elif self.dynamic_tree is not None and not isinstance(self.dynamic_tree, DynamicTreeConfig):
+            raise ValueError(f"HeadsConfig.dynamic_tree must be a DynamicTreeConfig, a dict of its fields or None, "
+                             f"got {self.dynamic_tree!r}")
+        kind.check_config(self)  # what only this kind knows (which tree settings it drafts with, ...)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +73,11 @@ class HeadsConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "HeadsConfig":
         known = {f.name for f in fields(cls)}
+        extra = data.get("extra")
+        if "dynamic_tree" not in data and isinstance(extra, dict) and isinstance(extra.get("dynamic_tree"), dict):
+            # configs saved before the typed field kept the dynamic tree in the free-form provenance
+            extra = dict(extra)
+            data = {**data, "dynamic_tree": extra.pop("dynamic_tree"), "extra": extra}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown HeadsConfig fields {unknown}; known fields are {sorted(known)}")

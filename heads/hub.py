@@ -3,7 +3,9 @@
 Push, ``push_to_hub(heads_or_folder, repo_id, ...)``:
   1. check    the repo id ("org/name"), the heads (loaded strictly), the bench JSON: all before any network call
   2. card     README.md rendered from ``model_cards/heads_card.md.jinja`` with huggingface_hub's ModelCard /
-              ModelCardData (base_model, license, tags, datasets; training, accuracies, tree, bench, usage)
+              ModelCardData (base_model, license, tags, datasets; training, accuracies, tree, bench, usage); the
+              bench table from a raw ``scripts/bench.py`` JSON: the rows of the heads' kind beside the references,
+              under ``METHOD_LABELS``
   3. repo     ``HfApi.create_repo(exist_ok=True)``; ``create_branch`` when ``revision`` names a branch
   4. commit   config.json + model.safetensors + README.md in ONE ``HfApi.create_commit`` (unchanged files are skipped
               by huggingface_hub; nothing changed at all means no new commit)
@@ -21,7 +23,6 @@ PermissionError), FileNotFoundError (heads that are neither on the Hub nor in th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ from typing import Any
 
 from .backbones import BACKBONES
 from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+from .loading import load_heads
+from .registry import head_kind
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,25 @@ LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0", "Qwen/Qwen2.5-C
 # Prompt sources of training.data (DataConfig.sources) that are Hub datasets.
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 BENCH_STATS = ("tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts")
+# What a card calls each method of a raw bench JSON (the names scripts/bench.py writes; a name may end in ":<tree>").
+# Names not listed here are shown as they are.
+METHOD_LABELS = {
+    "baseline": "plain `generate` (baseline)",
+    "prompt_lookup": "transformers prompt lookup",
+    "assisted": "transformers assisted generation (draft model)",
+    "lookup": "prompt lookup drafting only (no heads)",
+    "tokenmaxx": "heads only (the bench's `--heads`)",
+    "hybrid": "heads + prompt lookup (hybrid, the bench's `--heads`)",
+    "medusa": "Medusa heads only",
+    "medusa_hybrid": "Medusa heads + prompt lookup (hybrid)",
+    "mtp": "MTP heads only",
+    "mtp_hybrid": "MTP heads + prompt lookup (hybrid)",
+}
+# Methods every card shows when the bench ran them: what the heads are measured against.
+REFERENCE_METHODS = ("baseline", "prompt_lookup", "assisted", "lookup")
+# Methods that ran the bench's `--heads`, whatever their kind: shown only when the bench ran no method named after
+# the card's kind.
+GENERIC_HEADS_METHODS = ("tokenmaxx", "hybrid")
 
 
 class HubUnreachableError(ConnectionError):
@@ -199,17 +221,58 @@ def _accuracy_rows(metrics: dict) -> list[dict]:
     return [{"head": k + 1, "top1": fmt(top1, k), "top5": fmt(top5, k)} for k in range(max(len(top1), len(top5)))]
 
 
-def _bench_context(bench: dict) -> dict:
-    methods = bench["methods"]
-    cats = list(next(iter(methods.values()))["categories"])
+def _base_method(name: str) -> str:
+    """``"mtp:dynamic:24"`` -> ``"mtp"``: a bench method name without its tree."""
+    return name.split(":", 1)[0]
+
+
+def method_label(name: str, bench: dict | None = None) -> str:
+    """The label a card shows for the raw bench method ``name`` (``METHOD_LABELS``; a ``:<tree>`` suffix is named,
+    unknown names are kept as they are)."""
+    base, _, tree = name.partition(":")
+    if base not in METHOD_LABELS:
+        return name
+    label = METHOD_LABELS[base]
+    best = _get(bench, "config.notes.prompt_lookup.best", str) if bench else None
+    if base == "prompt_lookup" and best and best.startswith("prompt_lookup:"):
+        label += f" ({best.split(':', 1)[1]} tokens)"  # the best --lookup_tokens setting, as the bench chose it
+    return f"{label}, tree `{tree}`" if tree else label
+
+
+def card_methods(bench: dict, kind: str) -> list[str]:
+    """The bench methods a card for heads of ``kind`` shows, in the bench's order: the references (baseline, prompt
+    lookup, assisted, lookup) and the methods named after the kind (``kind``, ``kind_hybrid``, with any tree); when the
+    bench ran none of those, the methods that ran its ``--heads`` (tokenmaxx, hybrid) instead."""
+    names = list(bench["methods"])
+    own = [n for n in names if _base_method(n) in (kind, f"{kind}_hybrid")]
+    heads = own or [n for n in names if _base_method(n) in GENERIC_HEADS_METHODS]
+    return [n for n in names if _base_method(n) in REFERENCE_METHODS or n in heads]
+
+
+def _bench_context(bench: dict, kind: str, methods: list[str] | None = None) -> dict:
+    """The card's bench table from a raw bench report: the rows ``methods`` (default ``card_methods``), labelled."""
+    if methods is None:
+        methods = card_methods(bench, kind)
+    unknown = [n for n in methods if n not in bench["methods"]]
+    if unknown or not methods:
+        raise ValueError(f"bench report: no method to show on a {kind} heads card (asked for {methods}; the report "
+                         f"has {list(bench['methods'])})")
+    cats = list(bench["methods"][methods[0]]["categories"])
     cell = lambda s: f"{s['speedup']:.2f}x (tau {s['tau']:.2f})"  # noqa: E731
-    rows = [{"name": name, "cells": [cell(m["categories"][c]) if c in m["categories"] else "-" for c in cats],
-             "overall": cell(m["overall"]), "tokens_per_s": f"{m['overall']['tokens_per_s']:.1f}",
-             "identical": f"{m['overall']['identical_rate']:.0%}"} for name, m in methods.items()]
+    rows = []
+    for name in methods:
+        m = bench["methods"][name]
+        rows.append({"label": method_label(name, bench),
+                     "cells": [cell(m["categories"][c]) if c in m["categories"] else "-" for c in cats],
+                     "overall": cell(m["overall"]), "tokens_per_s": f"{m['overall']['tokens_per_s']:.1f}",
+                     "identical": f"{m['overall']['identical_rate']:.0%}"})
     cfg, machine = bench["config"], bench["machine"]
-    setup = ", ".join(f"{k} {cfg[k]}" for k in ("backbone", "dtype", "threads", "max_new_tokens", "tree") if k in cfg)
+    keys = {"backbone": "backbone", "dtype": "dtype", "threads": "threads", "max_new_tokens": "max_new_tokens",
+            "prompt_count": "prompts", "tree": "tree"}
+    setup = ", ".join(f"{label} {cfg[k]}" for k, label in keys.items() if cfg.get(k) is not None)
     host = ", ".join(str(machine[k]) for k in ("cpu", "platform") if k in machine)
-    return {"categories": cats, "rows": rows, "setup": setup or NOT_RECORDED, "machine": host or NOT_RECORDED}
+    return {"categories": cats, "rows": rows, "methods": ", ".join(f"`{n}`" for n in methods),
+            "setup": setup or NOT_RECORDED, "machine": host or NOT_RECORDED}
 
 
 def usage_snippet(config: HeadsConfig, repo_id: str) -> str:
@@ -228,13 +291,13 @@ def usage_snippet(config: HeadsConfig, repo_id: str) -> str:
 
 
 def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLike | dict | None = None,
-                      license: str | None = None):
-    """The heads' model card as a ``huggingface_hub.ModelCard`` (YAML metadata + markdown). Works offline."""
+                      license: str | None = None, methods: list[str] | None = None):
+    """The heads' model card as a ``huggingface_hub.ModelCard`` (YAML metadata + markdown). Works offline.
+
+    ``bench``: a raw ``scripts/bench.py`` report; the card shows the methods ``methods`` (raw names, default
+    ``card_methods(bench, config.kind)``) under the labels of ``METHOD_LABELS``."""
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.utils import is_jinja_available
-
-    from tokenmaxx.inference.dynamic_tree import DynamicTreeConfig
-    from tokenmaxx.inference.tree import parse_tree
 
     if not is_jinja_available():
         raise ImportError("rendering the model card needs jinja2: pip install jinja2")
@@ -246,10 +309,6 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
     license = license or LICENSES.get(base or "")
     data = ModelCardData(base_model=base, library_name="tokenmaxx", license=license, datasets=datasets or None,
                          tags=[*TAGS, config.kind])
-    tree = parse_tree(config.tree if config.kind != "mtp" else None, config.num_heads)
-    defaults = DynamicTreeConfig()
-    dynamic = {**dataclasses.asdict(defaults), "depth": defaults.depth or config.num_heads,
-               **{k: v for k, v in (_get(extra, "dynamic_tree", dict) or {}).items() if v is not None}}
     metrics = _get(extra, "metrics", dict) or {}
     context = {
         "repo_id": repo_id, "config": config, "license": license or NOT_RECORDED, "base_model": base,
@@ -257,21 +316,18 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
         "install_hint": spec.install_hint if spec else None, "training": _training_rows(extra),
         "accuracies": _accuracy_rows(metrics),
         "eval_positions": _get(metrics, "eval_positions", int),
-        "tau_empirical": _get(metrics, "tree_tau_empirical", (int, float)),
-        "tau_nodes": _get(metrics, "tree_nodes", int),  # the tree those taus were measured with
-        "tau_product": _get(metrics, "tree_tau_product", (int, float)),
-        "tree": {"nodes": tree.num_nodes, "depth": tree.depth, "own": config.tree is not None,
-                 "paths": json.dumps([list(p) for p in tree.paths])},
-        "dynamic": dynamic,
-        "bench": _bench_context(load_bench(bench)) if bench is not None else None,
+        "card": head_kind(config.kind).card_sections(config),  # what only the kind can say (its trees)
+        "bench": _bench_context(load_bench(bench), config.kind, methods) if bench is not None else None,
         "usage": usage_snippet(config, repo_id),
     }
     return ModelCard.from_template(data, template_path=str(card_template_path()), **context)
 
 
-def save_model_card(folder: str | os.PathLike, repo_id: str, bench=None, license: str | None = None) -> Path:
+def save_model_card(folder: str | os.PathLike, repo_id: str, bench=None, license: str | None = None,
+                    methods: list[str] | None = None) -> Path:
     """Render the card for the heads saved in ``folder`` and write it as ``folder/README.md``."""
-    card = render_model_card(HeadsConfig.from_json_file(Path(folder) / CONFIG_NAME), repo_id, bench, license)
+    card = render_model_card(HeadsConfig.from_json_file(Path(folder) / CONFIG_NAME), repo_id, bench, license,
+                             methods)
     path = Path(folder) / CARD_NAME
     path.write_text(str(card), encoding="utf-8")
     return path
@@ -327,19 +383,17 @@ def push_to_hub(heads, repo_id: str, *, token: str | None = None, private: bool 
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from .modeling import DraftHeads
-
     check_repo_id(repo_id)
     bench = load_bench(bench) if bench is not None else None
     with tempfile.TemporaryDirectory(prefix="tokenmaxx-push-") as tmp:
-        if isinstance(heads, DraftHeads):
-            folder = Path(tmp)
-            heads.save_pretrained(folder)
-        else:
+        if isinstance(heads, (str, os.PathLike)):
             folder = Path(heads)
             if not folder.is_dir():
                 raise FileNotFoundError(f"heads folder {folder} does not exist (expected a save_pretrained folder)")
-            heads = DraftHeads.from_pretrained(folder)  # strict: refuses to upload broken files
+            heads = load_heads(folder)  # strict: refuses to upload broken files
+        else:
+            folder = Path(tmp)
+            heads.save_pretrained(folder)
         card = render_model_card(heads.config, repo_id, bench, license)
         api = HfApi(endpoint=endpoint, token=token, library_name="tokenmaxx")
         message = commit_message or (f"Upload tokenmaxx {heads.config.kind} heads (K={heads.config.num_heads}) "

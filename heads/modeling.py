@@ -1,4 +1,10 @@
-"""Draft heads: the registry of head kinds, their common base (save / load / backbone checks)."""
+"""Draft heads: the common base of all head kinds (contract, save / load, backbone checks).
+
+A head kind is one module that subclasses ``DraftHeads``, registers its name (``registry.register_head_kind``) and
+says what it does: its training-time outputs (``training_states`` / ``project``), which tree settings it drafts with
+(``tree_settings``) and the drafter that proposes its trees at inference (``drafter``). Nothing outside the kind's
+module asks which kind it holds.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +13,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .backbones import backbone_identity
 from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
-
-HEAD_KINDS: dict[str, type["DraftHeads"]] = {}
-
-
-def register_head_kind(name: str):
-    """Class decorator: make a DraftHeads subclass loadable by ``HeadsConfig.kind == name``."""
-
-    def wrap(cls):
-        if name in HEAD_KINDS:
-            raise ValueError(f"head kind {name!r} is already registered by {HEAD_KINDS[name].__name__}")
-        HEAD_KINDS[name] = cls
-        cls.kind = name
-        return cls
-
-    return wrap
+from .hub import download_heads, push_to_hub
+from .loading import load_heads
 
 
 class BackboneMismatchError(ValueError):
@@ -41,13 +33,22 @@ def _backbone_shapes(model) -> tuple[int, int]:
 
 
 class DraftHeads(nn.Module):
-    """Base of all head kinds. Subclasses implement ``forward`` and ``init_from_backbone``.
+    """Base of all head kinds.
 
-    Contract of ``forward(hidden, lm_head)``: hidden ``[..., H]`` is the backbone's last (final-normed) hidden state at
-    position t; returns logits ``[K, ..., V]`` where head k (row k-1) predicts the token at t+k+1.
+    The contract every kind keeps (head offset rule: head k reading position t targets the token at t+k+1):
+
+    - ``forward(hidden [B, T, H], input_ids [B, T], *, lm_head, embed=None)`` -> logits ``[K, B, T, V]``: what the
+      heads predict at every position of a sequence the backbone has read (training and evaluation);
+    - ``training_states(hidden, input_ids, embed, selected [B, T] bool)`` -> ``[K, n, H]``: the same before the
+      vocabulary projection, at the selected positions only (the loss projects them, possibly fused);
+    - ``project(states [K, ..., H], lm_head)`` -> ``[K, ..., V]``: the heads' vocabulary projection;
+    - ``drafter(model, tree, draft_vocab)``: a fresh drafter for one generation (``tokenmaxx.inference.drafting``);
+    - ``tree_settings(config, spec)`` / ``check_config(config)`` / ``card_sections(config)``: the kind's draft tree
+      settings, parsed, validated and described.
     """
 
     kind: str = ""
+    own_lm_head: bool = True  # the kind can train a vocabulary projection of its own (share_lm_head=False)
 
     def __init__(self, config: HeadsConfig):
         super().__init__()
@@ -120,6 +121,43 @@ class DraftHeads(nn.Module):
     def init_from_backbone(self, model) -> None:
         """Initialise weights that start as copies of the backbone's (e.g. per-head lm_heads)."""
 
+    # ---- what each kind implements ----------------------------------------------------------------------------
+    def training_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module | None,
+                        selected: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, T, H], input_ids [B, T] -> states [K, n, H] at the ``selected`` [B, T] positions (all: [K, B,
+        T, H]), ready for ``project``."""
+        raise NotImplementedError
+
+    def project(self, states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """states [K, ..., H] -> logits [K, ..., V] (the backbone's frozen lm_head unless the kind has its own)."""
+        return lm_head(states)
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, *, lm_head: nn.Module,
+                embed: nn.Module | None = None) -> torch.Tensor:
+        """hidden [B, T, H] final-normed backbone states, input_ids [B, T] -> logits [K, B, T, V]; row k-1 at t
+        targets the token at t+k+1."""
+        return self.project(self.training_states(hidden, input_ids, embed), lm_head)
+
+    def drafter(self, model, tree=None, draft_vocab: bool = True):
+        """A fresh drafter (``propose`` / ``observe``) for one generation on ``model``; ``tree``: a spec of this
+        kind's tree settings (None: the config's); ``draft_vocab``: guess over the heads' draft vocabulary."""
+        raise NotImplementedError
+
+    @classmethod
+    def tree_settings(cls, config: HeadsConfig, spec=None):
+        """This kind's draft tree settings from ``spec`` (None: the config's own), validated."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_config(cls, config: HeadsConfig) -> None:
+        """Raise ValueError for settings this kind cannot use."""
+
+    @classmethod
+    def card_sections(cls, config: HeadsConfig) -> dict[str, str]:
+        """Markdown for the model card: ``tree_section`` (how the kind drafts its trees) and ``tau_note`` (a sentence
+        after the held-out accuracies; may be empty)."""
+        raise NotImplementedError
+
     # ---- save / load ------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write config.json + model.safetensors. Each file is written under a temp name then renamed."""
@@ -146,8 +184,6 @@ class DraftHeads(nn.Module):
         login; it is never printed. ``kwargs``: ``bench`` (bench JSON for the card), ``license``, ``endpoint``. See
         ``tokenmaxx.heads.hub.push_to_hub``; returns huggingface_hub's CommitInfo.
         """
-        from .hub import push_to_hub
-
         return push_to_hub(self, repo_id, token=token, private=private, revision=revision,
                            commit_message=commit_message, **kwargs)
 
@@ -162,30 +198,7 @@ class DraftHeads(nn.Module):
         folder = Path(path_or_repo)
         if not folder.is_dir():
             folder = _download(str(path_or_repo), revision, **hub_kwargs)
-        config = HeadsConfig.from_json_file(folder / CONFIG_NAME)
-        weights = folder / WEIGHTS_NAME
-        if not weights.is_file():
-            raise FileNotFoundError(f"heads weights {weights} are missing")
-        try:
-            state = load_file(weights)
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"heads weights {weights} are corrupt or truncated ({err})") from None
-        heads = HEAD_KINDS[config.kind](config)
-        expected = heads.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"heads weights {weights} do not match a {config.kind!r} config: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for name, tensor in state.items():
-            if tensor.shape != expected[name].shape:
-                raise ValueError(f"heads weight {name!r} in {weights} has shape {tuple(tensor.shape)}, "
-                                 f"the config expects {tuple(expected[name].shape)}")
-        heads.load_state_dict(state, strict=True)
-        if dtype is not None:
-            heads.to(dtype)
-        heads.eval()
-        return heads
+        return load_heads(folder, dtype=dtype)
 
 
 def _umask() -> int:
@@ -196,6 +209,4 @@ def _umask() -> int:
 
 def _download(repo_id: str, revision: str | None, **hub_kwargs) -> Path:
     """Fetch a heads repo from the Hub (honours HF_HUB_OFFLINE and the local cache); see ``hub.download_heads``."""
-    from .hub import download_heads
-
     return download_heads(repo_id, revision, **hub_kwargs)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .modeling import DraftHeads
+from .registry import DEFAULT_HEAD_KIND, head_kind
+
 PRETRAINED_DIR = Path(__file__).parent / "pretrained"
 
 
@@ -27,7 +30,7 @@ def shipped_heads(backbone: str) -> dict[str, Path]:
         config = path / "config.json"
         if not config.is_file() or not (path.name == backbone or path.name.startswith(f"{backbone}-")):
             continue
-        kind = json.loads(config.read_text()).get("kind", "medusa")
+        kind = json.loads(config.read_text()).get("kind", DEFAULT_HEAD_KIND)
         if (path.name == backbone or path.name == f"{backbone}-{kind}") and kind not in found:
             found[kind] = path
     return found
@@ -35,13 +38,11 @@ def shipped_heads(backbone: str) -> dict[str, Path]:
 
 def resolve_heads(spec: str | None, model, backbone: str, fallback_untrained: bool = False, kind: str | None = None):
     """Heads for a command line's ``--heads``: a folder / Hub id, 'untrained' (fresh heads of ``kind``, default
-    medusa), or None for the heads shipped for ``backbone`` (of ``kind`` when given; untrained ones, with a note on
+    ``DEFAULT_HEAD_KIND``), or None for the heads shipped for ``backbone`` (of ``kind`` when given; untrained ones, with a note on
     stderr, when ``fallback_untrained`` and none ship)."""
     import sys
 
-    from .modeling import HEAD_KINDS, DraftHeads
-
-    fresh = HEAD_KINDS[kind or "medusa"]
+    fresh = head_kind(kind or DEFAULT_HEAD_KIND)
     if spec == "untrained":
         return fresh.for_backbone(model)
     path = spec or default_heads_path(backbone, kind)

@@ -1,15 +1,15 @@
-"""Tree-verified speculative decoding: tree -> propose -> verify -> accept -> commit."""
+"""Tree-verified speculative decoding: draft -> verify -> accept -> commit -> observe, with output equal to the
+backbone's own. Start with ``SpeculativeGenerator``."""
 
-from .tree import Tree, TreeBuffers, chain, default_tree, parse_tree, sparse_tree
+from tokenmaxx.heads.tree import Tree, TreeBuffers, chain, default_tree, parse_tree, sparse_tree
 
-__all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree"]
+from .decoding import Accepted, Verified, accept_greedy, commit, verify
+from .drafting import DEFAULT_DRAFT, DRAFT_MODES, Drafter, make_drafter
+from .generator import DEFAULT_DTYPE, GenerationOutput, GenerationStats, SpeculativeGenerator
+from .lookup import LookupConfig
+from .sampling import TypicalAcceptance, accept_sampling, accept_typical
 
-from .decoding import Accepted, Verified, accept_greedy, commit, propose, verify  # noqa: E402
-from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator  # noqa: E402
-
-__all__ += ["Accepted", "Verified", "accept_greedy", "commit", "propose", "verify", "GenerationOutput",
-            "GenerationStats", "SpeculativeGenerator"]
-
-from .sampling import TypicalAcceptance, accept_sampling, accept_typical  # noqa: E402
-
-__all__ += ["TypicalAcceptance", "accept_sampling", "accept_typical"]
+__all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree", "Accepted", "Verified",
+           "accept_greedy", "commit", "verify", "DEFAULT_DRAFT", "DRAFT_MODES", "Drafter", "make_drafter",
+           "DEFAULT_DTYPE", "GenerationOutput", "GenerationStats", "SpeculativeGenerator", "LookupConfig",
+           "TypicalAcceptance", "accept_sampling", "accept_typical"]

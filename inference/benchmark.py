@@ -183,7 +183,7 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
 def machine_info(threads: int, dtype: str) -> dict:
     import transformers
 
-    from .tree_search import cpu_name
+    from .calibration_store import cpu_name
 
     return {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "dtype": dtype, "platform": platform.platform()}

@@ -1,4 +1,4 @@
-"""The four steps of one speculative round, as plain functions over explicit state.
+"""The backbone's steps of one speculative round (verify -> accept -> commit), as plain functions over explicit state.
 
 Terms (used throughout tokenmaxx):
 - root: the last token the backbone chose; it is not in the KV cache yet and is node 0 of the tree.
@@ -10,21 +10,20 @@ Terms (used throughout tokenmaxx):
 - head offset rule: head k reading the hidden state at position t targets the token at t+k+1; with the root at
   t+1, head k's guesses sit at tree depth k.
 
-One round: ``propose`` (heads -> tree tokens) -> ``verify`` (one backbone forward over the tree, 4D mask) ->
-``accept_greedy`` (longest agreeing path + bonus) -> ``commit`` (keep only the accepted path in the KV cache).
+One round: a drafter's ``propose`` (``drafting.py``: tree tokens) -> ``verify`` (one backbone forward over the tree,
+4D mask) -> ``accept_greedy`` (longest agreeing path + bonus; ``sampling.py`` for temperature > 0) -> ``commit`` (keep
+only the accepted path in the KV cache) -> the drafter's ``observe``. The loop is ``loop.speculative_decode``.
 
 Letters: N tree nodes, P cached prefix length, K heads, V vocabulary, H hidden size, D tree depth.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
 
-from .tree import TreeBuffers
+from tokenmaxx.heads.tree import TreeBuffers
 
 
 @dataclass
@@ -39,24 +38,6 @@ class Accepted:
     tokens: list[int]  # the m accepted candidates followed by the bonus token (what this round emits)
 
 
-def propose(heads, lm_head, hidden: torch.Tensor, root: int, buffers: TreeBuffers, vocab=None) -> torch.Tensor:
-    """Heads' top-k guesses laid on the tree.
-
-    hidden: [H] backbone state at the position before the root; vocab: a ``DraftVocab`` to project onto instead of
-    the whole vocabulary (heads with ``head_states`` only). Returns tree tokens [N] (node 0 = root).
-    """
-    if buffers.num_nodes == 1:
-        return torch.tensor([root], dtype=torch.long)
-    if vocab is not None:
-        logits = vocab.logits(heads.head_states(hidden)[: buffers.depth])  # [D, Vd]
-        topk = vocab.ids[logits.topk(min(buffers.topk, logits.shape[-1]), dim=-1).indices]  # [D, k]
-    else:
-        logits = heads(hidden, lm_head)[: buffers.depth]  # [D, V]
-        topk = logits.topk(buffers.topk, dim=-1).indices  # [D, k]
-    flat = torch.cat([torch.tensor([root], dtype=torch.long), topk.flatten()])  # [1 + D*k]
-    return flat[buffers.token_index]  # [N]
-
-
 def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4D mask [1, 1, N, P+N]: the cached prefix is visible to all nodes; a node sees its ancestors and itself."""
     n = buffers.num_nodes
@@ -65,60 +46,23 @@ def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtyp
     return bias
 
 
-GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' own switch for SDPA's grouped-query attention
-
-
-def shares_kv_heads(model) -> bool:
-    """Whether ``grouped_query_sdpa`` applies to (layers built from) this model's config: on CPU, fewer key/value heads
-    than query heads, and keys and values of one head size of at most 256 (what transformers asks of SDPA's GQA)."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads or next(model.parameters()).device.type != "cpu":
-        return False
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    key_dim, value_dim = getattr(config, "qk_head_dim", head_dim), getattr(config, "v_head_dim", head_dim)
-    return (getattr(config, "num_key_value_heads", None) or heads) < heads and key_dim == value_dim <= 256
-
-
-@contextlib.contextmanager
-def grouped_query_sdpa(enabled: bool = True):
-    """Masked attention without copying the KV cache per layer, for models that ``shares_kv_heads`` says it fits.
-
-    Given a mask, transformers' SDPA attention repeats each key/value head for the query heads that share it (a copy
-    of the layer's whole cache, every layer, every forward) instead of letting SDPA broadcast them (``enable_gqa``),
-    because on CUDA a mask with ``enable_gqa`` falls back to the slow math kernel. On CPU SDPA takes both: with 2+
-    queries the result is the same bit for bit (SmolLM2 bf16 and fp32 at 37-777 cached tokens, 2-16 nodes; tiny
-    models in the tests), and a tree verify forward is ~5-8% faster (SmolLM2-135M, 9 nodes, 400 cached tokens). A
-    single query differs at rounding level from transformers' own single-query layout (fp32: 1e-5), as any two
-    attention kernels do; greedy output stays identical to ``generate`` in fp32 (tested). Within this context
-    ``TRANSFORMERS_SDPA_FORCE_GQA`` is set; a value the user set is left alone. The switch is process-wide: a forward
-    another thread runs meanwhile gets it too (on CPU, the same attention).
-    """
-    if not enabled or GQA_SWITCH in os.environ:
-        yield
-        return
-    os.environ[GQA_SWITCH] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(GQA_SWITCH, None)
-
-
-def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len: int) -> Verified:
+def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len: int,
+           attention: dict | None = None) -> Verified:
     """ONE backbone forward over all tree nodes through the public forward (4D mask, position_ids, Cache).
 
     tokens: [N]; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N`` after it.
+    ``attention``: keywords for the attention function (``tokenmaxx.heads.attention.shared_kv_kwargs``).
     """
     dtype = model.get_output_embeddings().weight.dtype
-    with grouped_query_sdpa(shares_kv_heads(model)):
-        out = model(
-            input_ids=tokens[None],  # [1, N]
-            attention_mask=tree_attention_bias(buffers, prefix_len, dtype),  # [1, 1, N, P+N]
-            position_ids=(prefix_len + buffers.depths)[None],  # [1, N]
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
+    out = model(
+        input_ids=tokens[None],  # [1, N]
+        attention_mask=tree_attention_bias(buffers, prefix_len, dtype),  # [1, 1, N, P+N]
+        position_ids=(prefix_len + buffers.depths)[None],  # [1, N]
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        **(attention or {}),
+    )
     return Verified(logits=out.logits[0], hidden=out.hidden_states[-1][0])
 
 

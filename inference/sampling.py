@@ -36,7 +36,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from .decoding import Accepted
-from .tree import TreeBuffers
+from tokenmaxx.heads.tree import TreeBuffers
 
 UNSUPPORTED_WARPERS = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 

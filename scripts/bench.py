@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark tokenmaxx against plain generate, prompt lookup and assisted generation in one interleaved run.
 
-    python scripts/bench.py --limit 5 --methods baseline,prompt_lookup,tokenmaxx,tokenmaxx:chain:4 --out runs/bench
+    python scripts/bench.py --prompts spec_bench_dev.jsonl --limit 5 \
+        --methods baseline,prompt_lookup,tokenmaxx,mtp,lookup --out runs/bench
 
 Writes OUT.json (config, machine, methods -> overall/categories), OUT.md (table), OUT.png (plot) and
 OUT.prompts.jsonl (one row per prompt and method, every prompt-lookup setting included: for paired comparisons).
@@ -9,6 +10,7 @@ OUT.prompts.jsonl (one row per prompt and method, every prompt-lookup setting in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -18,17 +20,17 @@ import torch
 from transformers import HfArgumentParser
 
 from tokenmaxx.heads import BACKBONES, DEFAULT_BACKBONE, load_backbone, resolve_heads
-from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, SpeculativeGenerator
 from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
                                            run_benchmark, summarize, tokenmaxx_method)
 
-REPO = Path(__file__).resolve().parents[1]
 TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
-DEFAULT_PROMPTS = REPO.parent / "shared" / "bench" / "spec_bench_dev.jsonl"
 
 
 @dataclass
 class BenchArgs:
+    prompts: str = field(metadata={
+        "help": "Spec-Bench-style jsonl (question_id, category, turns): the benchmark prompts (required)"})
     backbone: str = field(default=DEFAULT_BACKBONE, metadata={"help": "backbone alias, folder or Hub id"})
     heads: str | None = field(default=None, metadata={
         "help": "heads of the tokenmaxx/hybrid methods: folder or Hub id (default: the shipped heads; 'untrained')"})
@@ -36,18 +38,17 @@ class BenchArgs:
         "help": "heads of the medusa[_hybrid] methods (default: the shipped Medusa heads)"})
     mtp_heads: str | None = field(default=None, metadata={
         "help": "heads of the mtp[_hybrid] methods (default: the shipped MTP heads)"})
-    dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16"})
+    dtype: str = field(default=DEFAULT_DTYPE, metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
-    methods: str = field(default="baseline,prompt_lookup,assisted,tokenmaxx,tokenmaxx:chain:4", metadata={
+    methods: str = field(default="baseline,prompt_lookup,assisted,tokenmaxx,lookup", metadata={
         "help": "comma list of: baseline, prompt_lookup, assisted, tokenmaxx[:<tree>] (drafted as --draft says), "
                 "hybrid[:<tree>] (heads + lookup branches), lookup (our loop, lookup branches only); "
                 "medusa[:<tree>], mtp[:<tree>], medusa_hybrid, mtp_hybrid (the same with heads of that kind, to "
-                "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N] or "
-                "dynamic:nodes=N,topk=K,depth=D,min_mass=M (MTP)"})
-    draft: str = field(default="heads", metadata={"help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
-    prompts: str = field(default=str(DEFAULT_PROMPTS), metadata={
-        "help": "Spec-Bench-style jsonl (question_id, category, turns)"})
+                "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N], "
+                "dynamic:nodes=N,topk=K,depth=D,min_mass=M or auto (MTP)"})
+    draft: str = field(default=DEFAULT_DRAFT, metadata={
+        "help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
     limit: int | None = field(default=None, metadata={"help": "at most this many prompts per category"})
     lookup_tokens: str = field(default="3,10", metadata={
         "help": "prompt_lookup_num_tokens settings to try; the best overall is reported as prompt_lookup"})
@@ -61,6 +62,8 @@ class BenchArgs:
             raise ValueError("--max_new_tokens and --threads must be positive")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"--limit must be positive, got {self.limit}")
+        if not Path(self.prompts).is_file():
+            raise ValueError(f"--prompts {self.prompts}: no such file (a Spec-Bench-style .jsonl of prompts)")
 
 
 def split_methods(spec: str) -> list[str]:
@@ -73,6 +76,14 @@ def split_methods(spec: str) -> list[str]:
         elif part:
             names.append(part)
     return names
+
+
+def tree_note(settings) -> dict | list | None:
+    """The tree a method drafts, as JSON: a dynamic tree's settings (mtp heads), a static tree's paths (medusa heads),
+    None for lookup-only drafting."""
+    if settings is None:
+        return None
+    return asdict(settings) if dataclasses.is_dataclass(settings) else json.loads(settings.to_json())
 
 
 def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
@@ -104,9 +115,10 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
             spec = {None: args.heads, "medusa": args.medusa_heads, "mtp": args.mtp_heads}[kind]
             if (kind, spec) not in heads and draft != "lookup":
                 heads[kind, spec] = resolve_heads(spec, model, args.backbone, kind=kind)
-            gen = SpeculativeGenerator(model, heads[kind, spec] if draft != "lookup" else None, tokenizer=tokenizer,
-                                       tree=name.split(":", 1)[1] if ":" in name else None, draft=draft)
-            notes[f"{name} tree"] = asdict(gen.dynamic) if gen.dynamic else [list(p) for p in gen.tree.paths]
+            gen = SpeculativeGenerator.create(model, heads[kind, spec] if draft != "lookup" else None,
+                                              tokenizer=tokenizer, tree=name.split(":", 1)[1] if ":" in name else None,
+                                              draft=draft)
+            notes[f"{name} tree"] = tree_note(gen.tree_settings)
             methods[name] = tokenmaxx_method(gen)
         else:
             raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, or one of "
@@ -114,8 +126,18 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
     return methods, notes
 
 
+def parse_args(argv: list[str] | None = None) -> BenchArgs:
+    """BenchArgs from the command line; a bad value exits with one ``error:`` line (status 2), like argparse."""
+    parser = HfArgumentParser(BenchArgs, description=__doc__.split("\n\n")[0])
+    try:
+        (args,) = parser.parse_args_into_dataclasses(argv)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(BenchArgs).parse_args_into_dataclasses(argv)
+    args = parse_args(argv)
     if args.backbone not in BACKBONES and not Path(args.backbone).exists() and "/" not in args.backbone:
         raise SystemExit(f"unknown backbone {args.backbone!r}")
     torch.set_num_threads(args.threads)

@@ -2,7 +2,10 @@
 """Generate with draft heads on a backbone; optionally compare with plain ``model.generate``.
 
     python scripts/generate.py --prompt "Explain KV caches in two sentences." --compare
-    python scripts/generate.py --backbone smollm2-135m --heads path/or/org-name --dtype bfloat16 --json
+    python scripts/generate.py --backbone smollm2-135m --heads path/or/org-name --dtype float32 --json
+    python scripts/generate.py --temperature 0.8 --seed 1      # samples (a temperature > 0 implies --do_sample)
+
+Defaults are the library's (tokenmaxx.inference.DEFAULT_DRAFT / DEFAULT_DTYPE, the shipped default heads).
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser, TextStreamer
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
-from tokenmaxx.inference import SpeculativeGenerator, TypicalAcceptance
+from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, load_backbone, resolve_heads
+from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, SpeculativeGenerator, TypicalAcceptance
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint. Use simple words."
 
@@ -28,25 +31,31 @@ class GenerateArgs:
         "help": "heads folder or Hub id; default: the heads shipped for the backbone; 'untrained' builds fresh "
                 "heads (each guesses the backbone's own next token again: a weak baseline)"})
     kind: str | None = field(default=None, metadata={
-        "help": "medusa | mtp: use the shipped heads of this kind (or fresh ones of it with --heads untrained)"})
+        "help": "medusa | mtp: use the shipped heads of this kind (or fresh ones of it with --heads untrained); "
+                f"default: the shipped default heads (kind {DEFAULT_HEAD_KIND!r})"})
     adapter: str | None = field(default=None, metadata={"help": "PEFT adapter merged into the backbone"})
     prompt: str = field(default=DEFAULT_PROMPT, metadata={"help": "the user message (or raw text with --raw)"})
     raw: bool = field(default=False, metadata={"help": "feed the prompt as raw text, without the chat template"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate at most"})
-    dtype: str = field(default="bfloat16", metadata={"help": "float32 | bfloat16 | float16"})
+    dtype: str = field(default=DEFAULT_DTYPE, metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     tree: str | None = field(default=None, metadata={
         "help": "draft tree: Medusa heads: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list "
-                "of paths or a JSON file; MTP heads: 'dynamic', 'dynamic:N' (N nodes) or "
-                "'dynamic:nodes=N,topk=K,depth=D'; default: the heads' own"})
-    draft: str = field(default="heads", metadata={
+                "of paths or a JSON file; MTP heads: 'dynamic', 'dynamic:N' (N nodes), "
+                "'dynamic:nodes=N,topk=K,depth=D' or 'auto'; default: the heads' own"})
+    draft: str = field(default=DEFAULT_DRAFT, metadata={
         "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree)"})
-    do_sample: bool = field(default=False, metadata={
-        "help": "sample (lossless speculative sampling: the backbone's own distribution) instead of greedy"})
-    temperature: float | None = field(default=None, metadata={"help": "sampling temperature (0: greedy)"})
-    top_k: int | None = field(default=None, metadata={"help": "sampling top-k"})
-    top_p: float | None = field(default=None, metadata={"help": "sampling nucleus mass"})
-    seed: int | None = field(default=None, metadata={"help": "sampling seed (deterministic output)"})
+    do_sample: bool | None = field(default=None, metadata={
+        "nargs": "?", "const": True,  # a bare --do_sample means true, as for the other bool flags
+        "help": "sample (lossless speculative sampling: the backbone's own distribution) instead of greedy; default: "
+                "sample when --temperature > 0, --top_p < 1 or --top_k is given, else greedy; 'false' together "
+                "with one of those is refused"})
+    temperature: float | None = field(default=None, metadata={
+        "help": "sampling temperature; > 0 samples (implies --do_sample), 0 means greedy"})
+    top_k: int | None = field(default=None, metadata={"help": "sampling top-k (implies --do_sample; 0: off)"})
+    top_p: float | None = field(default=None, metadata={"help": "sampling nucleus mass (< 1 implies --do_sample)"})
+    seed: int | None = field(default=None, metadata={
+        "help": "seed of the run: sampling, and untrained heads (deterministic output)"})
     typical: bool = field(default=False, metadata={
         "help": "Medusa typical acceptance instead of the lossless rule: faster, NOT the backbone's distribution"})
     json: bool = field(default=False, metadata={"help": "print one JSON object (text, token ids, stats)"})
@@ -60,6 +69,53 @@ class GenerateArgs:
             raise ValueError(f"--max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.threads <= 0 or self.repeats <= 0:
             raise ValueError("--threads and --repeats must be positive")
+        for name, bad, expected in [("temperature", self.temperature is not None and self.temperature < 0,
+                                     ">= 0 (0: greedy)"),
+                                    ("top_p", self.top_p is not None and not 0 < self.top_p <= 1, "in (0, 1]"),
+                                    ("top_k", self.top_k is not None and self.top_k < 0, ">= 0 (0: off)")]:
+            if bad:
+                raise ValueError(f"--{name} must be {expected}, got {getattr(self, name)}")
+        if self.do_sample is False and self.sampling_flags():
+            raise ValueError(f"--do_sample false contradicts {' '.join(self.sampling_flags())}: drop "
+                             "--do_sample false to sample, or pass --temperature 0 for greedy decoding")
+        if self.compare and self.sampling:
+            raise ValueError("--compare checks token identity with greedy generate: use it without sampling "
+                             "(no --do_sample, --temperature > 0, --top_p or --top_k)")
+        if self.typical and not self.sampling:
+            raise ValueError("--typical is an acceptance rule for sampling: give --temperature > 0 (or --do_sample)")
+
+    def sampling_flags(self) -> list[str]:
+        """The given flags that ask for sampling (none when --temperature is 0, which means greedy)."""
+        if self.temperature == 0:
+            return []
+        given = [("temperature", self.temperature is not None), ("top_p", self.top_p is not None and self.top_p < 1),
+                 ("top_k", bool(self.top_k))]
+        return [f"--{name} {getattr(self, name)}" for name, on in given if on]
+
+    @property
+    def sampling(self) -> bool:
+        """do_sample as resolved: --temperature 0 is greedy; unset, it follows the sampling flags."""
+        if self.temperature == 0:
+            return False
+        return self.do_sample if self.do_sample is not None else bool(self.sampling_flags())
+
+    def generate_kwargs(self) -> dict:
+        """Decoding keyword arguments of ``SpeculativeGenerator.generate`` (do_sample resolved)."""
+        return dict(do_sample=self.sampling, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                    seed=self.seed, typical=TypicalAcceptance() if self.typical else None)
+
+
+def parse_args(argv: list[str] | None = None) -> GenerateArgs:
+    """GenerateArgs from the command line; a bad value exits with one ``error:`` line (status 2), like argparse."""
+    parser = HfArgumentParser(GenerateArgs, description=__doc__.split("\n\n")[0])
+    try:
+        (args,) = parser.parse_args_into_dataclasses(argv)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.do_sample is None and args.sampling:
+        print(f"note: {' '.join(args.sampling_flags())} without --do_sample: sampling (--temperature 0 for greedy)",
+              file=sys.stderr)
+    return args
 
 
 def plain_generate(model, input_ids, max_new_tokens):
@@ -71,20 +127,21 @@ def plain_generate(model, input_ids, max_new_tokens):
 
 
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(GenerateArgs).parse_args_into_dataclasses(argv)
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.seed is not None:  # untrained heads are drawn at random too: --seed makes the whole run repeatable
+        torch.manual_seed(args.seed)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter)
-    heads = resolve_heads(args.heads, model, args.backbone, fallback_untrained=True, kind=args.kind)
-    gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft)
-    tree_desc = f"dynamic tree {gen.dynamic.nodes} nodes" if gen.dynamic else f"tree {len(gen.tree)} nodes"
+    heads = None if args.draft == "lookup" else \
+        resolve_heads(args.heads, model, args.backbone, fallback_untrained=True, kind=args.kind)
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft)
+    tree_desc = gen.describe()
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)
 
-    sampling = dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, typical=TypicalAcceptance() if args.typical else None)
     if not args.compare:
         streamer = TextStreamer(tokenizer, skip_prompt=True) if args.stream and not args.json else None
-        out = gen.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **sampling)
+        out = gen.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **args.generate_kwargs())
         if args.json:
             print(json.dumps({"text": out.text, "new_tokens": out.new_tokens, "stats": out.stats.to_dict()}))
         else:
@@ -95,8 +152,6 @@ def main(argv=None) -> int:
                   f"over {s.steps} steps, {tree_desc}]", file=sys.stderr)
         return 0
 
-    if args.do_sample:
-        raise SystemExit("--compare checks token identity with greedy generate: use it without --do_sample")
     # Warm up both paths, then interleave: spec, plain, spec, plain... keeping each one's best time.
     gen.generate(input_ids, max_new_tokens=8)
     plain_generate(model, input_ids, 8)

@@ -6,9 +6,10 @@
 # Every step resumes where it stopped when re-run with the same settings.
 #
 # Knobs (environment): MAX_PROMPTS (20000), MAX_NEW_TOKENS (256), EPOCHS (2), NPROC (1 process; 2 = torchrun),
-# DATA, RUN, EXPORT (folders). Cost on a 2-core CPU: data ~520 tokens/s (about 3 h for 20000 x 256 tokens); training
-# over the 16,384-token draft vocabulary ~2,000 positions/s in bf16 (about 45 min per epoch of 5M positions; ~500
-# positions/s without --loss_vocab draft); the feature cache takes ~1.2 KB per position (about 6 GB for 5M positions).
+# DATA, RUN, EXPORT (folders), EXCLUDE (benchmark prompts never trained on; default ../shared/bench, from the repo
+# root). Cost on a 2-core CPU: data ~520 tokens/s (about 3 h for 20000 x 256 tokens); training over the 16,384-token
+# draft vocabulary ~2,000 positions/s in bf16 (about 45 min per epoch of 5M positions; ~500 positions/s without
+# --loss_vocab draft); the feature cache takes ~1.2 KB per position (about 6 GB for 5M positions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -16,10 +17,11 @@ DATA=${DATA:-data/sharegpt-smollm2}
 RUN=${RUN:-runs/smollm2-135m}
 EXPORT=${EXPORT:-heads/pretrained/smollm2-135m-medusa}
 NPROC=${NPROC:-1}
+EXCLUDE=${EXCLUDE:-../shared/bench}
 
-# 1. Data. The flags are scripts/make_data.py's (training/data.py, DataConfig); benchmark prompts in shared/bench are
-#    excluded by its default --exclude.
-"$PY" scripts/make_data.py --output_dir "$DATA" --backbone smollm2-135m --dtype bfloat16 \
+# 1. Data. The flags are scripts/make_data.py's (training/data.py, DataConfig); the benchmark prompts in $EXCLUDE (the
+#    Spec-Bench-style sets the heads are measured on) are never trained on.
+"$PY" scripts/make_data.py --output_dir "$DATA" --backbone smollm2-135m --dtype bfloat16 --exclude "$EXCLUDE" \
   --max_prompts "${MAX_PROMPTS:-20000}" --max_new_tokens "${MAX_NEW_TOKENS:-256}" --batch_size 32
 
 # 2 + 3. Training and export. --resume continues bit-identically from the newest checkpoint when there is one.

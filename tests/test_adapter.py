@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import greedy_reference, tiny_model
+from helpers import greedy_reference, tiny_model
 from peft import LoraConfig, get_peft_model
 from tiny_tokenizer import tiny_tokenizer
 
@@ -38,10 +38,10 @@ def test_adapter_is_merged_recorded_and_checked(base_and_adapter, tmp_path):
     heads.save_pretrained(tmp_path / "heads")
     heads = DraftHeads.from_pretrained(tmp_path / "heads")
     merged.generation_config.eos_token_id = None
-    out = SpeculativeGenerator(merged, heads).generate(ids, max_new_tokens=12)
+    out = SpeculativeGenerator(merged, heads, draft="heads").generate(ids, max_new_tokens=12)
     assert out.sequences.tolist() == greedy_reference(merged, ids, 12).tolist()
     with pytest.raises(BackboneMismatchError, match="adapter"):
-        SpeculativeGenerator(plain, heads)  # heads trained with the adapter on a backbone without it
+        SpeculativeGenerator(plain, heads, draft="heads")  # heads trained with the adapter on a backbone without it
 
 
 def test_not_an_adapter_folder(base_and_adapter, tmp_path):

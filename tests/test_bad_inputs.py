@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from helpers import random_heads, tiny_model
 
 from tokenmaxx.heads import load_backbone
 from tokenmaxx.inference import SpeculativeGenerator, chain
@@ -11,7 +11,7 @@ from tokenmaxx.inference import SpeculativeGenerator, chain
 @pytest.fixture
 def gen():
     model = tiny_model("llama")
-    return SpeculativeGenerator(model, random_heads(model))
+    return SpeculativeGenerator(model, random_heads(model), draft="heads")
 
 
 def test_empty_prompt(gen):
@@ -30,8 +30,9 @@ def test_bad_max_new_tokens(gen, n):
 def test_context_overflow(gen):
     with pytest.raises(ValueError, match=r"prompt \(250 tokens\) \+ max_new_tokens \(10\) = 260 exceeds .* 256"):
         gen.generate(torch.full((1, 250), 5), max_new_tokens=10)
+    gen.model.generation_config.eos_token_id = None  # run the full length
     out = gen.generate(torch.full((1, 250), 5), max_new_tokens=6)  # exactly up to the limit is fine
-    assert out.sequences.shape[1] <= 256
+    assert out.sequences.shape[1] == 256
 
 
 def test_batch_larger_than_one(gen):
@@ -47,7 +48,7 @@ def test_text_without_tokenizer(gen):
 def test_tree_deeper_than_heads():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="tree depth 5 exceeds the number of heads \\(4\\)"):
-        SpeculativeGenerator(model, random_heads(model), tree=chain(5))
+        SpeculativeGenerator(model, random_heads(model), tree=chain(5), draft="heads")
 
 
 def test_unknown_alias():

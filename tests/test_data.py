@@ -14,11 +14,11 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.training.data import DEFAULT_BENCH_DIR, DataConfig, DataStats, load_prompts, make_data, \
-    read_json_array, select_prompts, sharegpt_path
+from tokenmaxx.training.data import DataConfig, DataStats, load_prompts, make_data, read_json_array, select_prompts, \
+    sharegpt_path
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2
@@ -122,9 +122,9 @@ def test_dedupe_and_benchmark_exclusion(tmp_path):
     assert (stats.duplicates, stats.excluded) == (1, 2)
     with pytest.raises(FileNotFoundError, match="exclusion path"):
         list(load_prompts([str(prompts)], exclude=[str(tmp_path / "missing.jsonl")]))
-    if DEFAULT_BENCH_DIR.is_dir():
-        assert DataConfig(output_dir="x").exclude == [str(DEFAULT_BENCH_DIR)]
+    assert DataConfig(output_dir="x").exclude == []  # nothing hidden: the benchmark to exclude is named explicitly
     assert DataConfig(output_dir="x", exclude=["none"]).exclude == []
+    assert DataConfig(output_dir="x", exclude=[str(bench)]).exclude == [str(bench)]
 
 
 def test_too_long_prompts_are_skipped_and_counted(tmp_path, backbone):
@@ -287,3 +287,20 @@ def test_script_help_explains_every_flag_and_prints_a_summary(tmp_path, backbone
                  "--dtype", "float32", "--max_new_tokens", "4"], *backbone)
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert "1 records" in summary and "tokens/s" in summary and "1 duplicate" in summary
+
+
+def test_script_excludes_only_the_named_benchmark(tmp_path, backbone, capsys):
+    """No hidden default: benchmark prompts are dropped when --exclude names them (as recipe_smollm2.sh does), and
+    a run without --exclude says that it keeps them."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    write_jsonl(bench / "spec.jsonl", [{"question_id": 1, "category": "qa", "turns": ["What is 2+2?"]}])
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "what is 2+2?"}, {"prompt": "hello"}])
+    common = ["--sources", str(source), "--dtype", "float32", "--max_new_tokens", "4"]
+    script = load_script()
+    dataset, stats = script.main(["--output_dir", str(tmp_path / "a"), *common, "--exclude", str(bench)], *backbone)
+    assert dataset["prompt"] == ["hello"] and stats.excluded == 1
+    assert "nothing to --exclude" not in capsys.readouterr().err
+    dataset, stats = script.main(["--output_dir", str(tmp_path / "b"), *common], *backbone)
+    assert sorted(dataset["prompt"]) == ["hello", "what is 2+2?"] and stats.excluded == 0
+    assert "nothing to --exclude" in capsys.readouterr().err

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from conftest import greedy_reference, random_heads
-from test_mtp import random_mtp
+from helpers import greedy_reference, random_heads, random_mtp
 
-import tokenmaxx.inference.generator as generator_module
+import tokenmaxx.inference.loop as loop_module
 from tokenmaxx.heads import DraftHeads
 from tokenmaxx.inference import SpeculativeGenerator
-from tokenmaxx.inference.draft_vocab import frequent_tokens
+from tokenmaxx.heads.draft_vocab import frequent_tokens
 
 
 def test_frequent_tokens():
@@ -27,21 +26,21 @@ def test_draft_vocab_guesses_stay_inside_and_output_is_identical(model, kind, mo
     heads = DraftHeads.from_pretrained(tmp_path / "h")
     assert heads.draft_vocab.tolist() == allowed.tolist() and heads.config.draft_vocab_size == allowed.numel()
     seen = []
-    real_verify = generator_module.verify
+    real_verify = loop_module.verify
 
-    def spy(model_, cache, tokens, buffers, prefix_len):
+    def spy(model_, cache, tokens, buffers, prefix_len, attention=None):
         seen.extend(tokens[1:].tolist())  # drafted nodes (the root is the backbone's own token)
-        return real_verify(model_, cache, tokens, buffers, prefix_len)
+        return real_verify(model_, cache, tokens, buffers, prefix_len, attention)
 
-    monkeypatch.setattr(generator_module, "verify", spy)
-    gen = SpeculativeGenerator(model, heads)
+    monkeypatch.setattr(loop_module, "verify", spy)
+    gen = SpeculativeGenerator(model, heads, draft="heads")
     prompt = torch.tensor([[4, 5, 7, 8, 10]])  # tokens outside the draft vocabulary: allowed as guesses too
     for max_new in (5, 23):
         assert gen.generate(prompt, max_new_tokens=max_new).sequences.tolist() == \
             greedy_reference(model, prompt, max_new).tolist()
     assert seen and set(seen) <= set(allowed.tolist()) | set(prompt[0].tolist())
     seen.clear()
-    SpeculativeGenerator(model, heads, draft_vocab=False).generate(prompt, max_new_tokens=23)
+    SpeculativeGenerator(model, heads, draft_vocab=False, draft="heads").generate(prompt, max_new_tokens=23)
     assert not set(seen) <= set(allowed.tolist()) | set(prompt[0].tolist())  # the switch really widens guesses
 
 

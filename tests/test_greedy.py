@@ -1,54 +1,25 @@
 """Speculative greedy output is token-identical to model.generate(do_sample=False) on tiny random backbones."""
 
 import pytest
+from helpers import (OracleHeads, assert_matches_greedy, greedy_reference, oracle_tau, random_heads, random_prompts,
+                     tiny_model)
 import torch
-from conftest import OracleHeads, greedy_reference, random_heads, tiny_model
 
 from tokenmaxx.inference import SpeculativeGenerator, chain, default_tree, Tree
 
 
-def _prompts(n, vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        length = int(torch.randint(1, 20, (1,), generator=gen))
-        yield torch.randint(3, vocab, (1, length), generator=gen), int(torch.randint(1, 40, (1,), generator=gen))
 
 
 @pytest.mark.parametrize("tree", [default_tree(), chain(4), Tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])],
                          ids=["default", "chain4", "small"])
 def test_random_heads_match_greedy(model, tree):
-    assert_matches_greedy(SpeculativeGenerator(model, random_heads(model), tree=tree), model, 8, seed=1)
-
-
-def oracle_tau(model, make_generator, n: int, seed: int) -> float:
-    """Generate from n random prompts with ``make_generator(reference, i)`` (oracle heads that know ``reference``, the
-    greedy continuation, 8 tokens beyond what is generated for their look-ahead), assert each output equals plain
-    greedy generate, and return the mean tokens per speculative step."""
-    total_steps = total_tokens = 0
-    for i, (input_ids, max_new) in enumerate(_prompts(n, model.config.vocab_size, seed=seed)):
-        max_new += 20
-        expected = greedy_reference(model, input_ids, max_new)
-        gen = make_generator(greedy_reference(model, input_ids, max_new + 8), i)
-        out = gen.generate(input_ids, max_new_tokens=max_new)
-        assert out.sequences.tolist() == expected.tolist()
-        total_steps += out.stats.steps
-        total_tokens += out.stats.new_tokens - 1  # the first token comes from the prefill
-    return total_tokens / total_steps
-
-
-def assert_matches_greedy(gen, model, n: int, seed: int) -> None:
-    """``gen`` reproduces model.generate(do_sample=False) on n random prompts of random lengths and token budgets."""
-    for input_ids, max_new in _prompts(n, model.config.vocab_size, seed=seed):
-        expected = greedy_reference(model, input_ids, max_new)
-        out = gen.generate(input_ids, max_new_tokens=max_new)
-        assert out.sequences.tolist() == expected.tolist()
-        assert out.stats.new_tokens == expected.shape[1] - input_ids.shape[1]
+    assert_matches_greedy(SpeculativeGenerator(model, random_heads(model), tree=tree, draft="heads"), model, 8, seed=1)
 
 
 @pytest.mark.parametrize("p_top", [1.0, 0.6])
 def test_oracle_heads_match_greedy_with_long_acceptance(model, p_top):
     tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(model, OracleHeads(
-        model, reference, p_top=p_top, p_wrong=0.0 if p_top == 1.0 else 0.15, seed=i)), 6, seed=2)
+        model, reference, p_top=p_top, p_wrong=0.0 if p_top == 1.0 else 0.15, seed=i), draft="heads"), 6, seed=2)
     assert tau > (4.0 if p_top == 1.0 else 2.0), tau  # long paths (through side branches) were really accepted
 
 
@@ -62,14 +33,14 @@ def test_eos_stops_generation():
     expected = greedy_reference(model, input_ids, 30)
     assert expected[0, -1].item() == eos and expected.shape[1] <= 4 + 6
     oracle = OracleHeads(model, greedy_reference(model, input_ids, 40), p_top=1.0, p_wrong=0.0)
-    out = SpeculativeGenerator(model, oracle).generate(input_ids, max_new_tokens=30)
+    out = SpeculativeGenerator(model, oracle, draft="heads").generate(input_ids, max_new_tokens=30)
     assert out.sequences.tolist() == expected.tolist()
 
 
 def test_eager_attention_matches_greedy():
     model = tiny_model("llama", seed=4, attn="eager")
-    gen = SpeculativeGenerator(model, random_heads(model))
-    for input_ids, max_new in _prompts(4, model.config.vocab_size, seed=5):
+    gen = SpeculativeGenerator(model, random_heads(model), draft="heads")
+    for input_ids, max_new in random_prompts(4, model.config.vocab_size, seed=5):
         assert gen.generate(input_ids, max_new).sequences.tolist() == \
             greedy_reference(model, input_ids, max_new).tolist()
 
@@ -88,13 +59,20 @@ def test_stats_and_streamer(model):
     input_ids = torch.tensor([[3, 4, 5]])
     model.generation_config.eos_token_id = None  # run the full length
     rec = Recorder()
-    out = SpeculativeGenerator(model, random_heads(model)).generate(input_ids, max_new_tokens=12, streamer=rec)
+    heads = random_heads(model)
+    out = SpeculativeGenerator(model, heads, draft="heads").generate(input_ids, max_new_tokens=12, streamer=rec)
     assert rec.ended and rec.chunks[0] == [3, 4, 5]
     assert sum(rec.chunks[1:], []) == out.new_tokens
     s = out.stats
     assert s.steps == sum(s.accepted_hist.values())
-    assert s.new_tokens == len(out.new_tokens) == 12 and s.tokens_per_s > 0
-    assert 1.0 <= s.mean_tau
+    assert s.new_tokens == len(out.new_tokens) == 12
+    # the rounds produced the 11 tokens after the prefill's (the last round may overshoot and be cut), each at most
+    # the tree's depth + 1 (the bonus token)
+    produced = sum(t * c for t, c in s.accepted_hist.items())
+    assert 11 <= produced <= 11 + heads.tree_settings(heads.config).depth and s.mean_tau == produced / s.steps
+    assert max(s.accepted_hist) <= heads.tree_settings(heads.config).depth + 1
+    assert sum(s.accepted_by_source.values()) == produced - s.steps  # bonus tokens are nobody's draft
+    assert 0 < sum(s.phase_seconds.values()) <= s.decode_seconds and s.wall_seconds == s.prefill_seconds + s.decode_seconds
 
 
 def test_prefill_projects_only_the_last_prompt_position(model):
@@ -105,16 +83,16 @@ def test_prefill_projects_only_the_last_prompt_position(model):
     rows = []
     hook = model.lm_head.register_forward_hook(lambda _, args, out: rows.append(out.shape[-2]))
     try:
-        gen = SpeculativeGenerator(model, random_heads(model))
+        gen = SpeculativeGenerator(model, random_heads(model), draft="heads")
         assert gen.generate(input_ids, max_new_tokens=10).sequences.tolist() == expected
         assert rows[0] == 1  # the prefill; verify rounds follow
         forward = model.forward
 
         def without_logits_to_keep(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                                   use_cache=None, output_hidden_states=None):
+                                   use_cache=None, output_hidden_states=None, **attention):
             return forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=past_key_values, use_cache=use_cache,
-                           output_hidden_states=output_hidden_states)
+                           output_hidden_states=output_hidden_states, **attention)
 
         model.forward = without_logits_to_keep
         rows.clear()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from helpers import random_heads, tiny_model
 
 from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MedusaHeads, register_head_kind
 from tokenmaxx.inference import SpeculativeGenerator
@@ -22,7 +22,7 @@ def test_save_load_round_trip(tmp_path, share):
     for (k, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), k
     hidden = torch.randn(32)
-    torch.testing.assert_close(loaded(hidden, model.lm_head), heads(hidden, model.lm_head))
+    torch.testing.assert_close(loaded.draft_logits(hidden, model.lm_head), heads.draft_logits(hidden, model.lm_head))
     assert ("lm_heads.0.weight" in loaded.state_dict()) == (not share)
 
 
@@ -31,7 +31,7 @@ def test_untrained_heads_start_as_the_backbone_projection():
     hidden = torch.randn(32)
     for share in (True, False):
         heads = MedusaHeads.for_backbone(model, share_lm_head=share)
-        logits = heads(hidden, model.lm_head)  # [K, V]
+        logits = heads.draft_logits(hidden, model.lm_head)  # [K, V]
         assert logits.shape == (4, 96)
         for k in range(4):  # zero-initialised residual blocks: identity
             torch.testing.assert_close(logits[k], model.lm_head(hidden))
@@ -92,16 +92,16 @@ def test_heads_for_another_backbone_are_refused():
     small, wide = tiny_model("llama"), tiny_model("llama", hidden_size=48)
     heads = random_heads(small)
     with pytest.raises(BackboneMismatchError, match="hidden size 32 and vocabulary 96.*hidden size 48 and vocabulary 96"):
-        SpeculativeGenerator(wide, heads)
+        SpeculativeGenerator(wide, heads, draft="heads")
     other = tiny_model("llama", vocab_size=100)
     with pytest.raises(BackboneMismatchError, match="vocabulary 100"):
-        SpeculativeGenerator(other, heads)
+        SpeculativeGenerator(other, heads, draft="heads")
     # same shapes, but recorded for another backbone id
     heads.config.backbone, heads.config.backbone_revision = "smollm2-135m", "abc"
     small.config.tokenmaxx_backbone = "qwen2.5-coder-0.5b"
     with pytest.raises(BackboneMismatchError, match="made for backbone 'smollm2-135m'"):
-        SpeculativeGenerator(small, heads)
-    SpeculativeGenerator(small, heads, strict_identity=False)  # explicit override
+        SpeculativeGenerator(small, heads, draft="heads")
+    SpeculativeGenerator(small, heads, strict_identity=False, draft="heads")  # explicit override
 
 
 def test_registry_rejects_duplicates():

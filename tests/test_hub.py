@@ -27,10 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from helpers import BENCH, random_heads, tiny_model
 from huggingface_hub import ModelCard, constants
 from hub_write_standin import HubWriteStandin
-from test_model_card import BENCH
 from tiny_tokenizer import tiny_tokenizer
 
 from tokenmaxx.heads import BackboneMismatchError, DraftHeads, load_backbone
@@ -185,8 +184,8 @@ def test_round_trip_is_byte_identical_and_generates_the_same(hub, backbones, tmp
     downloaded = DraftHeads.from_pretrained("org/round-trip", endpoint=hub.read_url, cache_dir=str(tmp_path / "cache"))
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True,
                                         return_tensors="pt")["input_ids"]
-    remote = SpeculativeGenerator(model, downloaded, tokenizer=tokenizer).generate(ids, max_new_tokens=48)
-    local = SpeculativeGenerator(model, heads, tokenizer=tokenizer).generate(ids, max_new_tokens=48)
+    remote = SpeculativeGenerator(model, downloaded, tokenizer=tokenizer, draft="heads").generate(ids, max_new_tokens=48)
+    local = SpeculativeGenerator(model, heads, tokenizer=tokenizer, draft="heads").generate(ids, max_new_tokens=48)
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
     assert remote.new_tokens == local.new_tokens == plain[0, ids.shape[1]:].tolist()
     assert remote.stats.accepted_hist == local.stats.accepted_hist
@@ -244,7 +243,7 @@ def test_card_usage_snippet_runs_and_backbone_is_checked(hub, backbones, tmp_pat
                HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
-    expected = SpeculativeGenerator(model, heads, tokenizer=tokenizer).generate(MESSAGES, max_new_tokens=64)
+    expected = SpeculativeGenerator(model, heads, tokenizer=tokenizer, draft="heads").generate(MESSAGES, max_new_tokens=64)
     tokens = json.loads(re.search(r"^TOKENS (.*)$", run.stdout, flags=re.M).group(1))
     assert tokens == expected.new_tokens
     assert "tokens per backbone forward (tau)" in run.stdout
@@ -258,10 +257,10 @@ def test_downloaded_heads_are_checked_against_the_backbone(hub, backbones, tmp_p
     heads.push_to_hub("org/checked", token=TOKEN, endpoint=hub.url)
     got = DraftHeads.from_pretrained("org/checked", endpoint=hub.read_url, cache_dir=str(tmp_path / "c"))
     with pytest.raises(BackboneMismatchError, match=re.escape(backbones["b"][2])) as err:
-        SpeculativeGenerator(backbones["b"][0], got)
+        SpeculativeGenerator(backbones["b"][0], got, draft="heads")
     assert backbones["a"][2] in str(err.value)
     with pytest.raises(BackboneMismatchError, match="heads expect hidden size 32 .* backbone has hidden size 48"):
-        SpeculativeGenerator(tiny_model("llama", hidden_size=48), got)
+        SpeculativeGenerator(tiny_model("llama", hidden_size=48), got, draft="heads")
 
 
 # ---- failures -------------------------------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
-from conftest import OracleHeads, greedy_reference, random_heads, tiny_model
+from helpers import OracleHeads, greedy_reference, random_heads, tiny_model
 
 from tokenmaxx.inference import SpeculativeGenerator, Tree
-from tokenmaxx.inference.lookup import HEADS, LOOKUP, LookupConfig, NgramIndex, merge_branch
+from tokenmaxx.heads.drafting import HEADS, LOOKUP
+from tokenmaxx.inference.hybrid import HybridDrafter
+from tokenmaxx.inference.lookup import LookupConfig, LookupDrafter, NgramIndex, merge_branch
 
 
 def _index(tokens, max_ngram=3):
@@ -108,7 +110,7 @@ def test_hybrid_with_oracle_heads_matches_greedy():
 
 
 def test_heads_gate_sits_out_unpaying_heads_and_explores():
-    from tokenmaxx.inference.lookup import HeadsGate
+    from tokenmaxx.inference.hybrid import HeadsGate
 
     gate = HeadsGate(min_yield=0.05, explore_every=4, decay=0.5)
     assert gate.propose()  # starts trusting the heads
@@ -153,7 +155,9 @@ def test_bad_draft_settings(model):
         SpeculativeGenerator(model, None, draft="hybrid")
     with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
         LookupConfig(min_ngram=4, max_ngram=3)
-    assert LookupConfig().shortest_ngram("hybrid") == 1 and LookupConfig().shortest_ngram("lookup") == 2
+    # each drafter's default shortest n-gram: 1 for hybrid (valued per match length), 2 for lookup alone
+    assert HybridDrafter(random_heads(model).drafter(model)).min_ngram == 1 and LookupDrafter().min_ngram == 2
+    assert LookupDrafter(LookupConfig(min_ngram=3)).min_ngram == 3
     assert LookupConfig(min_ngram=3).shortest_ngram("hybrid") == 3
 
 
@@ -166,7 +170,7 @@ def test_branch_length_rule():
 
 
 def test_share_budget_gives_nodes_to_the_likelier_source():
-    from tokenmaxx.inference.lookup import LookupReliability, share_budget
+    from tokenmaxx.inference.hybrid import LookupReliability, share_budget
 
     # heads tree (token: value): root 9 -> 10 (0.5) -> 13 (0.3); root -> 12 (0.2); root -> 11 (0.05)
     tree = Tree([(0,), (0, 0), (1,), (2,)])
@@ -202,7 +206,7 @@ def test_share_budget_gives_nodes_to_the_likelier_source():
 
 
 def test_lookup_reliability_learns_per_depth():
-    from tokenmaxx.inference.lookup import LookupReliability
+    from tokenmaxx.inference.hybrid import LookupReliability
 
     # nothing seen yet: every depth falls back on the one above it, 1/2 each
     assert LookupReliability().values(4) == pytest.approx([0.5, 0.25, 0.125, 0.0625])
@@ -233,14 +237,14 @@ def test_lookup_reliability_learns_per_depth():
 
 
 def test_share_budget_with_several_branches():
-    from tokenmaxx.inference.lookup import share_budget
+    from tokenmaxx.inference.hybrid import share_budget
 
     tree = Tree([(0,)])
     tokens = torch.tensor([9, 10])
     values = torch.tensor([1.0, 0.3])
     # branch 0 (reliable) and branch 1 (less so) share their first token 20, then part; branch 2 starts like the heads
     branches = [[20, 21, 22], [20, 30, 31], [10, 40]]
-    out, buffers, sources, _, kept = share_budget(tokens, tree.buffers, values, branches, [0.9, 0.5, 0.6], budget=6)
+    out, buffers, sources, _, kept, _ = share_budget(tokens, tree.buffers, values, branches, [0.9, 0.5, 0.6], budget=6)
     # worth: 20: max(0.9, 0.5) = 0.9, 21: 0.81, 22: 0.73, 10: max(0.3, 0.6) = 0.6, 30: 0.25, 40: 0.36, 31: 0.125
     assert out.tolist() == [9, 10, 20, 21, 22, 40]
     assert sources.tolist() == [HEADS, HEADS | LOOKUP, LOOKUP, LOOKUP, LOOKUP, LOOKUP]
@@ -251,13 +255,13 @@ def test_share_budget_with_several_branches():
 
 
 def test_heads_calibration_moves_budget_between_sources():
-    from tokenmaxx.inference.lookup import HeadsCalibration, share_budget
+    from tokenmaxx.inference.hybrid import HeadsCalibration, share_budget
 
     tree = Tree([(0,), (0, 0), (1,), (2,)])
     tokens = torch.tensor([9, 10, 12, 11, 13])
     values = torch.tensor([1.0, 0.5, 0.2, 0.05, 0.3])
     branch = [20, 21, 22]  # p = 0.4: 0.4, 0.16, 0.064
-    out, _, sources, heads_values, _ = share_budget(tokens, tree.buffers, values, [branch], p_lookup=[0.4], budget=4)
+    out, _, sources, heads_values, *_ = share_budget(tokens, tree.buffers, values, [branch], p_lookup=[0.4], budget=4)
     assert out.tolist() == [9, 10, 13, 20]  # heads as promised: 0.5, 0.3 beat 0.16
     assert heads_values.tolist() == pytest.approx([1.0, 0.5, 0.3, 0.0])  # the heads' own values, unscaled
     # heads that deliver a tenth of what their values promise: their nodes are worth 0.05, 0.03, ...
@@ -274,7 +278,7 @@ def test_heads_calibration_moves_budget_between_sources():
 
 
 def test_share_budget_sizes_the_tree_from_the_latency_table():
-    from tokenmaxx.inference.lookup import share_budget
+    from tokenmaxx.inference.hybrid import share_budget
 
     tree = Tree([(0,), (0, 0), (1,), (2,)])
     tokens = torch.tensor([9, 10, 12, 11, 13])

@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from conftest import tiny_model
+from helpers import tiny_model
 from tiny_tokenizer import tiny_tokenizer
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.data import DataConfig, make_data

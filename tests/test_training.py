@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 from datasets import Dataset
 from tiny_tokenizer import tiny_tokenizer
 
@@ -69,7 +69,7 @@ def data_dir(tmp_path_factory, backbone_dir) -> Path:
 
 
 def make_cfg(data_dir: Path, out: Path, **overrides) -> TrainConfig:
-    values = dict(data=str(data_dir), backbone="unused", dtype="float32", output_dir=str(out), seq_len=48,
+    values = dict(data=str(data_dir), backbone="unused", kind="medusa", dtype="float32", output_dir=str(out), seq_len=48,
                   max_steps=6, lr=3e-2, warmup=2, micro_batch_size=4, grad_accum=2, eval_fraction=0.1, save_every=3)
     return TrainConfig(**{**values, **overrides})
 
@@ -145,7 +145,7 @@ def test_objective_mtp_scores_each_depth_of_the_unroll(loss):
     assert lm_head.weight.grad is None and embed.weight.grad is None  # backbone modules stay frozen
     # Reference: the module's own logits of the whole unroll [D, B, T, V], scored where depth d = head k has a target.
     with torch.no_grad():
-        logits = heads(hidden, lm_head, input_ids=ids, embed=embed)
+        logits = heads(hidden, ids, lm_head=lm_head, embed=embed)
     targets, valid = shifted_targets(ids, answer_start, lengths, num_heads=3)  # [D, B, T]
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none")
     ce = ce.view(valid.shape)
@@ -183,7 +183,7 @@ def test_objective_over_a_loss_vocabulary(kind, loss):
     assert lm_head.weight.grad is None and all(g.abs().sum() > 0 for g in g1)
     # Reference: full-vocabulary logits, restricted to the vocabulary's columns, scored on in-vocabulary targets.
     with torch.no_grad():
-        logits = heads(hidden, lm_head, input_ids=ids, embed=embed) if kind == "mtp" else heads(hidden, lm_head)
+        logits = heads(hidden, ids, lm_head=lm_head, embed=embed)  # one contract for every kind
     sub = torch.log_softmax(logits[..., vocab].float(), dim=-1)  # [D, B, T, Vd]
     inside = torch.isin(targets, vocab) & valid
     position = {int(t): i for i, t in enumerate(vocab)}
@@ -199,7 +199,7 @@ def test_objective_over_a_loss_vocabulary(kind, loss):
 
 
 def test_heldout_metrics_count_targets_outside_the_loss_vocabulary_as_misses(backbone_dir, data_dir):
-    from tokenmaxx.inference.tree import chain
+    from tokenmaxx.heads.tree import chain
     from tokenmaxx.training.metrics import evaluate
 
     model, _ = load_backbone(str(backbone_dir))
@@ -305,7 +305,7 @@ def test_train_export_and_speculative_generation(tmp_path, backbone_dir, data_di
     # the draft vocabulary: the 40 most frequent training tokens, its held-out coverage recorded
     assert heads.draft_vocab.numel() == 40 == extra["draft_vocab"]["size"]
     assert 0.5 < extra["draft_vocab"]["heldout_token_coverage"] <= 1.0
-    gen = SpeculativeGenerator(model, heads)
+    gen = SpeculativeGenerator(model, heads, draft="heads")
     data = load_data(data_dir, seq_len=48, eval_fraction=0.1, eval_max_examples=8, seed=0)
     accepted = 0
     for row in data.eval[:3]:
@@ -448,5 +448,7 @@ def test_cli_help_explains_every_flag():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train_heads.py"), "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # argparse wraps the help text
     for f in dataclasses.fields(TrainConfig):
-        assert f"--{f.name}" in out.stdout
+        assert f.metadata.get("help"), f"--{f.name} has no help text"
+        assert f"--{f.name}" in out.stdout and " ".join(f.metadata["help"].split()[:4]) in text, f.name

@@ -4,11 +4,12 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 from transformers import DynamicCache
 
 from tokenmaxx.inference import Tree, accept_greedy, commit, verify
-from tokenmaxx.inference.decoding import GQA_SWITCH, shares_kv_heads, tree_attention_bias
+from tokenmaxx.heads.attention import IMPLEMENTATION, SHARE_KV_HEADS, shared_kv_kwargs, shares_kv_heads
+from tokenmaxx.inference.decoding import tree_attention_bias
 
 TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
 
@@ -92,9 +93,10 @@ def test_accept_greedy_on_hand_built_logits():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypatch):
-    """On CPU a tree forward hands SDPA the shared key/value heads (enable_gqa) instead of transformers' per-layer
-    copies of them; the logits are the same bit for bit, and the environment switch is put back afterwards (a value
-    the user set is left alone)."""
+    """On CPU a tree forward that asks for it (the forward keyword from ``shared_kv_kwargs``) hands SDPA the shared
+    key/value heads (enable_gqa) instead of transformers' per-layer copies of them; the logits are the same bit for
+    bit. Forwards that do not ask, on the same model, run transformers' own SDPA path, and no environment variable is
+    touched (the switch travels with the call)."""
     model = tiny_model(arch, seed=7)  # 4 query heads share 2 key/value heads
     prefix = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(3, 96, (TREE.buffers.num_nodes,), generator=torch.Generator().manual_seed(1))
@@ -105,16 +107,19 @@ def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypa
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    monkeypatch.delenv(GQA_SWITCH, raising=False)
+    environment = dict(os.environ)
     with torch.no_grad():
-        fast = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])
-        assert GQA_SWITCH not in os.environ
-        assert grouped[-2:] == [True, True]  # both layers of the tree forward
-        monkeypatch.setenv(GQA_SWITCH, "0")  # the user's choice wins: repeated heads
         plain = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])
-        assert os.environ[GQA_SWITCH] == "0"
+        assert grouped[-2:] == [False, False]  # transformers' SDPA: repeated key/value heads
+        attention = shared_kv_kwargs(model)
+        assert attention == {SHARE_KV_HEADS: True} and model.config._attn_implementation == IMPLEMENTATION
+        fast = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1], attention)
+        assert grouped[-2:] == [True, True]  # both layers of the tree forward
+        again = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])  # not asked
         assert grouped[-2:] == [False, False]
+    assert dict(os.environ) == environment
     assert torch.equal(fast.logits, plain.logits) and torch.equal(fast.hidden, plain.hidden)
+    assert torch.equal(again.logits, plain.logits)
 
 
 def test_kv_head_sharing_only_where_it_fits():

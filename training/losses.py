@@ -111,13 +111,10 @@ class HeadsObjective(nn.Module):
     are passed per call, never registered here, so DeepSpeed neither casts, broadcasts nor checkpoints any backbone
     weight.
 
-    Two ways heads read the backbone:
-
-    - per position (MedusaHeads, ``head_states(hidden [n, H]) -> [K, n, H]``): the heads run on the selected
-      positions only;
-    - sequential (MTPHeads, ``unrolled_states(hidden [B, T, H], input_ids, embed) -> [D, B, T, H]``): the module
-      attends over the sequence and reads the tokens, so it runs over the whole [B, T] batch; then each depth's rows
-      at the selected positions are kept. Depth d obeys head k = d's offset rule.
+    The heads say what they compute (``DraftHeads.training_states``): per position for Medusa heads (only the
+    selected positions are run), over the whole [B, T] batch for sequential (MTP) heads, whose depths attend over the
+    sequence and read the tokens; either way the result is [K, n, H] at the selected positions, and depth d obeys
+    head k = d's offset rule.
 
     Heads that share the backbone's lm_head are scored through ``linear_cross_entropy`` on these states without
     materialising [K, n, V] logits; other heads through their logits.
@@ -133,8 +130,7 @@ class HeadsObjective(nn.Module):
         self.heads = heads
         self.loss_kind = loss
         self.weights = head_weights(heads.config.num_heads, head_decay)  # plain floats: not a checkpointed buffer
-        self.sequential = callable(getattr(heads, "unrolled_states", None))
-        self.fused = heads.config.share_lm_head and (self.sequential or callable(getattr(heads, "head_states", None)))
+        self.fused = heads.config.share_lm_head  # scored through the frozen lm_head's weight (linear_cross_entropy)
         # plain attributes, not buffers: nothing here is trained or checkpointed
         self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long).flatten()
         if self.vocab is not None:
@@ -197,24 +193,19 @@ class HeadsObjective(nn.Module):
                     embed: nn.Module | None) -> torch.Tensor:
         """Every head's state before the vocabulary projection at the selected positions [K, n, H] (heads' dtype).
 
-        hidden [B, T, H]; input_ids [B, T]; selected [B, T] bool. Sequential heads run over all of [B, T] first.
+        hidden [B, T, H]; input_ids [B, T]; selected [B, T] bool; embed: the backbone's input embedding.
         """
         dtype = next(self.heads.parameters()).dtype
-        if not self.sequential:
-            return self.heads.head_states(hidden[selected].to(dtype))
-        if embed is None:
-            raise ValueError(f"{self.heads.config.kind!r} heads read tokens: pass the backbone's input embedding as "
-                             "embed=model.get_input_embeddings()")
-        return self.heads.unrolled_states(hidden.to(dtype), input_ids, embed)[:, selected]  # final-normed
+        return self.heads.training_states(hidden.to(dtype), input_ids, embed, selected)
 
     def head_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, selected: torch.Tensor, lm_head: nn.Module,
                     embed: nn.Module | None) -> torch.Tensor:
         """Every head's logits at the selected positions [K, n, V] (V: the loss vocabulary's size; same arguments as
         ``head_states``)."""
-        if self.sequential:
-            return self._project(self.head_states(hidden, input_ids, selected, embed), lm_head)
-        dtype = next(self.heads.parameters()).dtype
-        logits = self.heads(hidden[selected].to(dtype), lm_head)
+        states = self.head_states(hidden, input_ids, selected, embed)
+        if self.fused:
+            return self._project(states, lm_head)
+        logits = self.heads.project(states, lm_head)
         return logits if self.vocab is None else logits[..., self.vocab]
 
     def select(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmaxx.inference.tree import Tree
+from tokenmaxx.heads.tree import Tree
 
 from .batches import SelfDistilledData, collate, eval_micro_batches
 from .losses import logits_cross_entropy

@@ -13,13 +13,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmaxx.heads import HEAD_KINDS
+from tokenmaxx.heads import DEFAULT_HEAD_KIND, HEAD_KINDS
 
 DEFAULT_DS_CONFIG = str(Path(__file__).with_name("ds_config.json"))
 LOSSES = ("ce", "kl", "ce+kl")
 LOSS_VOCABS = ("full", "draft")
 DTYPES = ("float32", "bfloat16")
-SHARED_LM_HEAD_KINDS = ("mtp",)  # head kinds that have no lm_head of their own
 
 # Defaults of the DeepSpeed-controlled fields, used when neither the flag nor the JSON gives a value.
 DEFAULTS: dict[str, Any] = {"lr": 1e-3, "warmup": 20, "weight_decay": 0.0, "grad_accum": 4, "micro_batch_size": 4,
@@ -54,7 +53,7 @@ class TrainConfig:
     dtype: str | None = field(default=None, metadata={
         "help": _ds_help(f"backbone and head compute dtype, one of {DTYPES}; bfloat16 is DeepSpeed bf16 with fp32 "
                          "master weights (JSON bf16.enabled)", "dtype")})
-    kind: str = field(default="medusa", metadata={
+    kind: str = field(default=DEFAULT_HEAD_KIND, metadata={
         "help": f"head kind, one of {sorted(HEAD_KINDS)}: 'medusa' = K independent heads on the hidden state, "
                 "'mtp' = one decoder block unrolled K times, each guess conditioned on the last"})
     num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions ahead "
@@ -133,7 +132,7 @@ class TrainConfig:
             raise ValueError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"--kind must be a registered head kind, one of {sorted(HEAD_KINDS)}; got {self.kind!r}")
-        if self.kind in SHARED_LM_HEAD_KINDS and not self.share_lm_head:
+        if not HEAD_KINDS[self.kind].own_lm_head and not self.share_lm_head:
             raise ValueError(f"--kind {self.kind} always projects with the backbone's frozen lm_head: "
                              "--share_lm_head must be true")
         if self.loss not in LOSSES:

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, backbone_identity, load_backbone
-from tokenmaxx.inference.tree import parse_tree
+from tokenmaxx.heads.tree import parse_tree
 
 from . import checkpoints
 from .batches import SelfDistilledData, collate, load_data, step_micro_batches
@@ -125,7 +125,7 @@ def rank_weight_digests(heads, world: int) -> list[str]:
 
 def draft_vocab_from(data: SelfDistilledData, size: int) -> tuple[torch.Tensor, dict]:
     """The ``size`` most frequent tokens of the training sequences, and a record with its held-out coverage."""
-    from tokenmaxx.inference.draft_vocab import frequent_tokens
+    from tokenmaxx.heads.draft_vocab import frequent_tokens
 
     ids = frequent_tokens((data.examples[r].ids.tolist() for r in data.train), size)
     held = torch.cat([data.examples[r].ids for r in data.eval]) if data.eval else torch.zeros(0, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""Dynamic draft trees for sequential (MTP) heads: grown level by level from the draft's own log-probabilities.
+"""Dynamic draft trees: grown level by level from a sequential draft's own log-probabilities.
 
 A candidate's score is the cumulative log-probability of its path under the draft (the sum of the log-probs of its
 tokens, each given its ancestors). One level:
@@ -16,24 +16,20 @@ SmolLM2 on a 2-core CPU, a few percent of a verify forward), more than a level t
 The tree is compiled into the same buffers as static trees (``tree.compile_buffers``) and verified, accepted and
 committed by the same code.
 
-``expand_tree`` is the pure algorithm (any child-log-prob function); ``MTPDrafter`` runs it with an ``MTPHeads``
-module and keeps the module's own KV cache across rounds.
+``expand_tree`` is the pure algorithm (any child-log-prob function); the MTP kind's drafter (``heads/mtp.py``) runs it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
 
-from .decoding import grouped_query_sdpa, shares_kv_heads
 from .tree import TreeBuffers, compile_buffers
 
-
-MIN_MASS = 0.5  # default min_mass, chosen on tree_search.CALIBRATION_PROMPTS (heads/pretrained/smollm2-135m/RECIPE.md)
+MIN_MASS = 0.5  # default min_mass, chosen on inference.autotune.CALIBRATION_PROMPTS (smollm2-135m/RECIPE.md)
 
 
 @dataclass(frozen=True)
@@ -54,6 +50,20 @@ class DynamicTreeConfig:
                 or not 0 <= self.min_mass <= 1:
             raise ValueError(f"dynamic tree min_mass must be a probability in [0, 1] (0 drafts every level), got "
                              f"{self.min_mass!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DynamicTreeConfig":
+        """From a saved config's dict; unknown keys are refused with the known ones named."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown dynamic tree settings {unknown}; known settings are {sorted(known)}")
+        return cls(**data)
+
+    def spec(self) -> str:
+        """The command-line spec of these settings ('dynamic:nodes=N,topk=K,...')."""
+        depth = f",depth={self.depth}" if self.depth is not None else ""
+        return f"dynamic:nodes={self.nodes},topk={self.topk}{depth},min_mass={self.min_mass:g}"
 
     @classmethod
     def parse(cls, spec: str) -> "DynamicTreeConfig":
@@ -139,103 +149,3 @@ def expand_tree(root: int, root_logprobs: torch.Tensor,
     parents = [0] + [node_of[cands.parent[c]] if cands.parent[c] >= 0 else 0 for c in kept]
     return DraftTree(tokens=torch.tensor([root] + [cands.tokens[c] for c in kept], dtype=torch.long),
                      buffers=compile_buffers(parents), scores=torch.tensor([0.0] + [scores[c] for c in kept]))
-
-
-class MTPDrafter:
-    """Drafts dynamic trees with ``MTPHeads``; owns the module's KV cache (depth-1 entries of accepted anchors).
-
-    Use: ``start`` after the backbone's prefill, then per round ``propose`` -> (verify, accept, commit) ->
-    ``advance`` with the accepted nodes' hidden states and the emitted tokens.
-    """
-
-    def __init__(self, heads, model, config: DynamicTreeConfig, vocab=None):
-        self.heads, self.config, self.vocab = heads, config, vocab  # vocab: a DraftVocab, or None (all tokens)
-        self.embed = model.get_input_embeddings()
-        self.lm_head = model.get_output_embeddings()
-        self.share_kv = shares_kv_heads(model)  # the module's layer is built from the backbone's config
-        self.depth = config.depth or heads.config.num_heads
-        self.cache = DynamicCache()
-        self.next_position = 0  # position id of the next anchor
-        self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
-
-    @property
-    def cached(self) -> int:
-        return self.cache.get_seq_length()
-
-    def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             visible: torch.Tensor) -> torch.Tensor:
-        """Module pass for n queries. visible [n, C+n] bool over (cache, queries). Returns states [n, H]."""
-        dtype = self.heads.fuse.weight.dtype
-        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype)
-        mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
-        with grouped_query_sdpa(self.share_kv):
-            return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache)[0]
-
-    def start(self, hidden: torch.Tensor, input_ids: torch.Tensor, root: int) -> None:
-        """After the prefill. hidden [P, H] backbone states of the prompt, input_ids [P], root = the first new token.
-
-        Like training (whose windows start K+1 positions before the answer), the module's context starts at anchor
-        max(0, P - 1 - K) rather than at the beginning of a long prompt.
-        """
-        prompt_len = input_ids.shape[0]
-        first = max(0, prompt_len - 1 - self.heads.config.num_heads)
-        self.cache = DynamicCache()
-        self.next_position = first
-        nxt = torch.cat([input_ids[first + 1:], torch.tensor([root], dtype=torch.long)])
-        self.advance(hidden[first:], nxt)
-
-    def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Add anchors: hidden [n, H] backbone states at the next n positions, next_tokens [n] the token after each."""
-        n, cached = hidden.shape[0], self.cached
-        visible = torch.ones(n, cached + n, dtype=torch.bool)
-        visible[:, cached:] = torch.ones(n, n, dtype=torch.bool).tril()
-        positions = torch.arange(self.next_position, self.next_position + n)
-        states = self._run(hidden, torch.as_tensor(next_tokens, dtype=torch.long), positions, visible)
-        self.next_position += n
-        self.last_state = states[-1]
-
-    def _logprobs(self, states: torch.Tensor) -> torch.Tensor:
-        """Draft log-probs [..., V] (or [..., Vd] over the draft vocabulary) of module output states [..., H]."""
-        if self.vocab is None:
-            logits = self.heads.logits(states, self.lm_head)
-        else:
-            logits = self.vocab.logits(self.heads.norm(states))
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    def propose(self, root: int, max_depth: int) -> DraftTree:
-        """A dynamic tree below ``root`` at most ``max_depth`` deep. Leaves the module cache as it found it."""
-        depth = min(self.depth, max_depth)
-        if depth <= 0 or self.config.nodes <= 1:
-            return DraftTree(tokens=torch.tensor([root]), buffers=compile_buffers([0]), scores=torch.zeros(1))
-        cached = self.cached
-        anchor = self.next_position - 1  # the newest anchor's position: a depth-d node's query sits at anchor + d
-        entry: dict[int, int] = {}  # expanded candidate -> its module cache entry (counted from ``cached``)
-        output: dict[int, torch.Tensor] = {}  # expanded candidate -> output state of its query [H]
-
-        def child_logprobs(frontier: list[int], cands: Candidates) -> torch.Tensor:
-            entries, f = len(entry), len(frontier)
-            visible = torch.zeros(f, cached + entries + f, dtype=torch.bool)
-            visible[:, :cached] = True  # accepted anchors (including this chain's depth-1 entry)
-            for row, c in enumerate(frontier):
-                p = cands.parent[c]
-                while p >= 0:  # ancestors' entries: every ancestor of a frontier node was expanded
-                    visible[row, cached + entry[p]] = True
-                    p = cands.parent[p]
-                visible[row, cached + entries + row] = True
-            prev = torch.stack([output[cands.parent[c]] if cands.parent[c] >= 0 else self.last_state
-                                for c in frontier])  # [F, H]
-            toks = torch.tensor([cands.tokens[c] for c in frontier], dtype=torch.long)
-            positions = torch.tensor([anchor + cands.level[c] for c in frontier])
-            out = self._run(prev, toks, positions, visible)  # [F, H]
-            for row, c in enumerate(frontier):
-                entry[c] = entries + row
-                output[c] = out[row]
-            return self._logprobs(out)  # [F, V or Vd]
-
-        try:
-            return expand_tree(root, self._logprobs(self.last_state), child_logprobs, self.config.topk, depth,
-                               self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
-                               min_mass=self.config.min_mass)
-        finally:
-            if self.cached > cached:  # drop the tree's entries (crop takes a negative count in transformers 5)
-                self.cache.crop(cached - self.cached)

@@ -1,0 +1,220 @@
+"""``tree="auto"``: the heads' tree settings with the best expected tokens/s on this machine, measured once and cached.
+
+    expected tokens/s = E[tau](settings) / (verify latency(nodes) + overhead(settings))
+
+Static trees (Medusa heads): E[tau] from the ranks of the backbone's own greedy continuation in each head's top-k on
+generic calibration prompts (``calibrate_ranks``), the tree from ``tree_search.choose_tree``. Dynamic trees (MTP
+heads): E[tau] of each node budget from drafting along those continuations (``calibrate_dynamic``). Latency from
+``latency.py``, the loop's own overhead from short generations (``measure_overheads``); records cached by
+``calibration_store``. ``resolve_auto`` picks the calibration that fits the settings type of the heads' kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from tokenmaxx.heads import DynamicTreeConfig, Outcome, Prefill, Tree
+from tokenmaxx.heads.attention import shared_kv_kwargs
+
+from .calibration_store import cache_path, calibration_key, machine_fingerprint, write_record
+from .decoding import accept_greedy
+from .drafting import make_drafter
+from .latency import LATENCY_SIZES, fit_latency, measure_latency
+from .loop import eos_ids, greedy_root, speculative_decode
+from .tree_search import choose_tree, ordered_paths_from_ranks
+
+# Generic calibration prompts (never benchmark prompts): a mix of chat, code, math, rewriting and summarising.
+CALIBRATION_PROMPTS = (
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",
+    "A train travels 180 km in 2.5 hours. What is its average speed? Show your reasoning.",
+    "Give me five tips for writing a clear email to a busy colleague.",
+    "Summarize the plot of a story in which a lighthouse keeper finds a message in a bottle.",
+    "Translate to French: 'The weather is nice today, so we will walk to the market.'",
+    "What are the differences between a list and a tuple in Python?",
+    "Describe the water cycle for a ten-year-old.",
+)
+
+
+def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int):
+    """Per calibration prompt: its chat input_ids [1, P], the backbone's greedy continuation seq [T] (prompt
+    included) and the final-normed hidden states along it [T, H]."""
+    for text in prompts:
+        ids = _chat_ids(tokenizer, text)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False)  # [1, T]
+        yield ids, seq[0], model(seq, output_hidden_states=True).hidden_states[-1][0]
+
+
+@torch.inference_mode()
+def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS,
+                    max_new_tokens: int = 128, max_rank: int = 10) -> torch.Tensor:
+    """Ranks [T, K] of the backbone's own greedy continuation in each head's top-``max_rank`` (max_rank = absent)."""
+    lm_head = model.get_output_embeddings()
+    rows = []
+    for ids, seq, hidden in continuations(model, tokenizer, prompts, max_new_tokens):
+        start = ids.shape[1] - 1  # first position whose next token is generated
+        logits = heads.draft_logits(hidden[start:], lm_head)  # [K, T', V]
+        top = logits.topk(max_rank, dim=-1).indices  # [K, T', R]
+        num_heads, length = top.shape[0], top.shape[1]
+        for t in range(length):
+            pos = start + t
+            row = []
+            for k in range(1, num_heads + 1):
+                target = pos + k + 1  # head k at position t targets t+k+1
+                if target >= seq.numel():
+                    row.append(max_rank)
+                    continue
+                hit = (top[k - 1, t] == seq[target]).nonzero()
+                row.append(int(hit[0, 0]) if hit.numel() else max_rank)
+            rows.append(row)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
+    """Seconds per speculative step spent outside the verify forward (propose, accept, commit, loop)."""
+    return measure_overheads(model, heads, tokenizer, {0: tree})[0]
+
+
+def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) -> dict:
+    """``measure_overhead`` of several tree settings (any key -> settings of the heads' kind): short generations
+    drafted by the heads alone run interleaved, ``repeats`` rounds over all settings, the median per setting kept, so
+    a shared machine's load drifting during calibration weighs on every setting alike instead of on whichever was
+    measured then."""
+    ids = _chat_ids(tokenizer, CALIBRATION_PROMPTS[0])
+    eos = eos_ids(model.generation_config)
+    attention = shared_kv_kwargs(model)
+    samples: dict = {key: [] for key in trees}
+    for _ in range(repeats):
+        for key, tree in trees.items():
+            drafter = make_drafter("heads", model, heads, tree=tree)
+            _, s = speculative_decode(model, drafter, ids, 48, accept_greedy, greedy_root, eos, attention=attention)
+            samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | None = None,
+              refresh: bool = False) -> Tree:
+    """Calibrate (or read the cached calibration) and return the tree with the best expected tokens/s."""
+    machine = machine_fingerprint(model)
+    path = cache_path(calibration_key(model, heads, machine), cache_root)
+    if path.is_file() and not refresh:
+        return Tree(json.loads(path.read_text())["tree"])
+    ranks = calibrate_ranks(model, heads, tokenizer)
+    measured = measure_latency(model)
+    latency = fit_latency(measured)
+    overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]))
+    tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
+                              max_depth=heads.config.num_heads)
+    write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
+                         "measured_latency": measured, "overhead": overhead, "positions": ranks.shape[0],
+                         "table": table})
+    return tree
+
+
+# ---- dynamic trees (sequential heads): the node budget ------------------------------------------------------------
+DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
+
+
+@torch.inference_mode()
+def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = DYNAMIC_BUDGETS,
+                      prompts: Sequence[str] | None = None, max_new_tokens: int = 128) -> tuple[dict, float]:
+    """Expected tau of each node budget, and seconds per draft, along the backbone's own greedy continuations.
+
+    At every position of a continuation the drafter grows one tree with the largest budget; the tree of budget n is
+    its n-1 best nodes by score (what ``expand_tree`` keeps), and its accepted length is that of the deepest node in
+    them whose path equals the continuation. Returns ({budget: mean tau}, mean propose seconds).
+    """
+    drafter = heads.drafter(model, tree=dataclasses.replace(config, nodes=max(budgets)))
+    totals = dict.fromkeys(budgets, 0.0)
+    positions, propose_s = 0, 0.0
+    for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens):
+        start = ids.shape[1]
+        # the drafter guesses over the same vocabulary as in generation (the draft vocabulary + this prompt's tokens)
+        drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))
+        for t in range(start, seq.numel() - 1):  # root = seq[t]
+            t0 = time.perf_counter()
+            tree = drafter.propose(int(seq[t]), seq.numel() - 1 - t)
+            propose_s += time.perf_counter() - t0
+            depths, parents = tree.buffers.depths.tolist(), tree.buffers.parents.tolist()
+            tokens, scores = tree.tokens.tolist(), tree.values.tolist()  # values: exp(cumulative draft log-prob)
+            correct = [True] + [False] * (len(tokens) - 1)
+            for i in range(1, len(tokens)):
+                correct[i] = correct[parents[i]] and tokens[i] == int(seq[t + depths[i]])
+            by_score = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], depths[i], i))
+            for n in budgets:
+                totals[n] += 1 + max((depths[i] for i in by_score[: n - 1] if correct[i]), default=0)
+            positions += 1
+            nxt = seq[t + 1: t + 2].tolist()  # the backbone's own next token: one accepted position
+            drafter.observe(Outcome(draft=tree, nodes=torch.zeros(1, dtype=torch.long), tokens=nxt,
+                                    hidden=hidden[t: t + 1], emitted=nxt))
+    return {n: totals[n] / max(positions, 1) for n in budgets}, propose_s / max(positions, 1)
+
+
+def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None = None, refresh: bool = False):
+    """The dynamic-tree node budget with the best expected tokens/s on this machine (cached like ``auto_tree``):
+    argmax over budgets n of tau(n) / (verify latency(n) + overhead(n)), where tau(n) comes from drafting along the
+    backbone's own continuations and overhead(n) (drafting, acceptance, cache commit) from a short generation with
+    budget n."""
+    config = config or DynamicTreeConfig()
+    machine = machine_fingerprint(model)
+    key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth, config.min_mass]})
+    path = cache_path(key, cache_root)
+    if path.is_file() and not refresh:
+        return DynamicTreeConfig(**json.loads(path.read_text())["dynamic_tree"])
+    taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
+    measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
+    latency = fit_latency(measured)
+    # drafting cost grows with the budget (more levels survive the pruning): measure the overhead of each one, and
+    # keep the curve never decreasing, as the latency's (a larger budget never drafts less; dips are noise)
+    measured_loop = measure_overheads(model, heads, tokenizer,
+                                      {n: dataclasses.replace(config, nodes=n) for n in taus})
+    sizes = sorted(measured_loop)
+    loop = dict(zip(sizes, itertools.accumulate((measured_loop[n] for n in sizes), max)))
+    table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop[n],
+              "tokens_per_s": tau / (latency[n] + loop[n])} for n, tau in sorted(taus.items())]
+    best = max(table, key=lambda row: row["tokens_per_s"])
+    chosen = dataclasses.replace(config, nodes=best["nodes"])
+    write_record(path, {"dynamic_tree": dataclasses.asdict(chosen),
+                         "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop,
+                         "measured_overhead": measured_loop, "propose_seconds": propose_s, "table": table})
+    return chosen
+
+
+# ---- tree="auto": the calibration that fits the heads' kind ---------------------------------------------------------
+@functools.singledispatch
+def _calibrate(settings, model, heads, tokenizer):
+    raise ValueError(f"tree='auto' cannot calibrate tree settings of type {type(settings).__name__} "
+                     f"(heads of kind {heads.config.kind!r})")
+
+
+@_calibrate.register
+def _(settings: Tree, model, heads, tokenizer) -> Tree:
+    return auto_tree(model, heads, tokenizer)
+
+
+@_calibrate.register
+def _(settings: DynamicTreeConfig, model, heads, tokenizer) -> DynamicTreeConfig:
+    return auto_dynamic(model, heads, tokenizer, settings)
+
+
+def resolve_auto(model, heads, tokenizer):
+    """The heads' tree settings chosen for this machine (calibrated once, then read from the cache)."""
+    if tokenizer is None:
+        raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
+    return _calibrate(heads.tree_settings(heads.config), model, heads, tokenizer)
+
+
+def _chat_ids(tokenizer, text: str) -> torch.Tensor:
+    """input_ids [1, P] of one user message through the chat template."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_dict=True, return_tensors="pt")["input_ids"]

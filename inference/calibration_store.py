@@ -1,0 +1,58 @@
+"""Where calibrations (verify latency tables, ``tree="auto"`` choices) are cached on disk, and under which key.
+
+A record is a JSON file CACHE/calibration/KEY.json (``tokenmaxx.heads.cache_dir``), written under a temp name then
+renamed. Keys cover the backbone's identity, the heads' weights where they matter, the machine (CPU model, threads,
+torch, dtype) and ``CALIBRATION_VERSION``, so a table measured on one machine is never read on another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from tokenmaxx.heads import backbone_identity, cache_dir
+
+CALIBRATION_VERSION = 4  # bumped when the calibration method or what it times changes (4: GQA verify), so stale
+# cached choices and latency tables are not reused
+
+
+def cache_path(key: str, cache_root: Path | None) -> Path:
+    """Where a calibration record lives: CACHE/calibration/KEY.json (``tokenmaxx.heads.cache_dir``)."""
+    return (cache_root or cache_dir() / "calibration") / f"{key}.json"
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Write a calibration record under a temp name, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo where there is one)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def machine_fingerprint(model) -> dict:
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "dtype": str(model.get_output_embeddings().weight.dtype)}
+
+
+def calibration_key(model, heads, machine: dict) -> str:
+    """Cache key over backbone identity, the heads' weights and the machine fingerprint."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([backbone_identity(model), machine, CALIBRATION_VERSION], sort_keys=True,
+                             default=str).encode())
+    for name, tensor in sorted(heads.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:24]

@@ -1,0 +1,277 @@
+"""Hybrid drafting: the heads' tree and prompt-lookup branches share one node budget, sized per round.
+
+Each node is valued by its estimated chance of being accepted: heads nodes by the heads' own values (calibrated
+against what this generation accepts, ``HeadsCalibration``), lookup nodes by the measured acceptance of branches with
+the same matched n-gram length and rank (``LookupReliability``). The most valuable nodes are kept, up to the budget
+that maximises expected tokens per second on this machine's verify latency (``share_budget``). Heads that stop paying
+for their proposing time sit rounds out (``HeadsGate``). ``HybridDrafter`` owns all of that state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import torch
+
+from tokenmaxx.heads.drafting import HEADS, Draft, Outcome, Prefill
+from tokenmaxx.heads.tree import TreeBuffers, compile_buffers
+
+from .latency import VerifyLatency, interpolate
+from .lookup import LookupConfig, NgramIndex, merge_branches
+
+
+DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # depth groups that share an estimate: 1, 2, 3-4, 5-8, 9-16, 17+
+
+
+@dataclass
+class LookupReliability:
+    """How often lookup tokens are accepted lately, by depth: a decayed Beta estimate per depth group of P(the lookup
+    token at depth j is right | the ones above it were).
+
+    Copying is bursty: once a continuation has matched a few tokens, the next one is likelier right than the first
+    was, so one constant per-token rate (a geometric model) undervalues deep nodes of a good match and overvalues
+    those of a poor one. Each group's estimate starts from the group above it (a prior worth ``prior_weight`` rounds,
+    centred on that group's estimate; the first group from 1/2), so deep groups with few observations fall back on
+    the shallower ones. A group forgets by ``decay`` per observation it gets.
+    """
+
+    decay: float = 0.8
+    prior_weight: float = 2.0
+    buckets: tuple[int, ...] = DEPTH_BUCKETS
+    _counts: dict[int, tuple[float, float]] = field(default_factory=dict)  # group -> decayed (successes, failures)
+
+    def _group(self, depth: int) -> int:
+        return sum(1 for start in self.buckets[1:] if depth >= start)
+
+    def rates(self, length: int) -> list[float]:
+        """P(the token at depth j is right | the ones above it were), j = 1..length."""
+        out, prior = [], 0.5
+        for depth in range(1, length + 1):
+            ok, bad = self._counts.get(self._group(depth), (0.0, 0.0))
+            prior = (ok + self.prior_weight * prior) / (ok + bad + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def values(self, length: int) -> list[float]:
+        """P(the first j tokens of a branch are all right), j = 1..length: never growing with depth."""
+        out, value = [], 1.0
+        for rate in self.rates(length):
+            value *= rate
+            out.append(value)
+        return out
+
+    @property
+    def p(self) -> float:
+        """The estimate for the first token."""
+        return self.rates(1)[0]
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """One round in which ``proposed`` tokens of a branch were verified and the first ``accepted`` were right:
+        depths 1..accepted are successes, depth accepted + 1 (if it was verified) a failure, deeper ones untested."""
+        for depth in range(1, min(accepted + 1, proposed) + 1):
+            group = self._group(depth)
+            ok, bad = self._counts.get(group, (0.0, 0.0))
+            hit = depth <= accepted
+            self._counts[group] = (self.decay * ok + hit, self.decay * bad + (not hit))
+
+    def update_branch(self, kept: list[int], path: list[int]) -> None:
+        """One round of a branch: ``kept`` its nodes in the verified tree, ``path`` the accepted nodes (root
+        excluded); the branch's accepted tokens are their common prefix."""
+        accepted = next((i for i, (a, b) in enumerate(zip(path, kept)) if a != b), min(len(path), len(kept)))
+        self.update(len(kept), accepted)
+
+
+@dataclass
+class HeadsCalibration:
+    """How the heads' acceptance estimates compare with what this generation accepts: a decayed ratio of accepted heads
+    tokens to the tokens the kept heads nodes' values promised (their sum is the expected count when the values are
+    path probabilities). ``share_budget`` multiplies heads values by it, so on text the heads guess badly (a
+    translation the lookup branch copies) their nodes stop taking budget and verify time, and on text they guess well
+    they win more. Starts at 1 (the values as given)."""
+
+    decay: float = 0.8
+    observed: float = 1.0
+    expected: float = 1.0
+    bounds: tuple[float, float] = (0.05, 3.0)
+
+    @property
+    def scale(self) -> float:
+        return min(self.bounds[1], max(self.bounds[0], self.observed / max(self.expected, 1e-9)))
+
+    def update(self, expected: float, observed: int) -> None:
+        self.observed = self.decay * self.observed + observed
+        self.expected = self.decay * self.expected + expected
+
+
+@dataclass
+class HeadsGate:
+    """Whether the heads are worth running this round (hybrid drafting). Proposing costs a few ms per round even
+    when no heads node ends up accepted (SmolLM2 bf16 on 2 CPU cores, ~60-90 ms rounds: ~4 ms for Medusa heads,
+    ~6 ms for MTP heads, whose ~3 ms cache update runs every round either way); on text the lookup
+    branches copy (translation: 2 heads tokens accepted in ~170 rounds) that is pure loss. Keeps a decayed mean of the
+    tokens only the heads drafted that each proposing round accepted; below ``min_yield`` the heads sit out all but
+    every ``explore_every``-th round, whose outcome keeps the estimate current. Counts rounds, not seconds, so seeded
+    sampling stays reproducible."""
+
+    min_yield: float = 0.05
+    explore_every: int = 8
+    decay: float = 0.9
+    rate: float = 1.0  # decayed mean of heads-only accepted tokens per proposing round
+    _skipped: int = 0
+
+    def __post_init__(self):
+        if self.min_yield < 0 or self.explore_every < 1 or not 0 <= self.decay < 1:
+            raise ValueError(f"need min_yield >= 0, explore_every >= 1 and 0 <= decay < 1, got {self.min_yield}, "
+                             f"{self.explore_every}, {self.decay}")
+
+    def propose(self) -> bool:
+        """Run the heads this round?"""
+        if self.rate >= self.min_yield or self._skipped + 1 >= self.explore_every:
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        return False
+
+    def update(self, heads_only_accepted: int) -> None:
+        """After a round in which the heads proposed: how many accepted tokens only they had drafted."""
+        self.rate = self.decay * self.rate + (1 - self.decay) * heads_only_accepted
+
+
+class SharedTree(NamedTuple):
+    tokens: torch.Tensor  # [N] kept tree tokens, root first
+    buffers: TreeBuffers
+    sources: torch.Tensor  # [N] HEADS / LOOKUP bits
+    heads_values: torch.Tensor  # [N] the heads' own (unscaled) value of each kept node; 0 for lookup-only nodes
+    branch_nodes: list[list[int]]  # per branch: the kept nodes along it, from the root's child down
+    values: torch.Tensor  # [N] each kept node's worth: max(calibrated heads value, lookup value); root 1
+
+
+def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branches: list[list[int]],
+                 p_lookup: Sequence[float | Sequence[float]], budget: int, latency: dict[int, float] | None = None,
+                 heads_scale: float = 1.0) -> SharedTree:
+    """Merge lookup branches into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
+
+    values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
+    ``heads_scale`` (a ``HeadsCalibration``). A node at depth j of lookup branch b is worth p_lookup[b][j-1] (a
+    ``LookupReliability.values`` list), or p_lookup[b]**j for a number (the best over the branches through it); a
+    node also proposed by the heads is worth the larger. Values never grow along a path, so the kept set (best first,
+    shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify forward per node
+    count, measured on this machine) the budget itself is chosen per step: the n <= budget that maximises
+    (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second.
+    """
+    if len(p_lookup) < len(branches):
+        raise ValueError(f"{len(branches)} lookup branches but {len(p_lookup)} reliabilities")
+    merged, merged_buffers, sources, paths = merge_branches(tokens, buffers, branches)
+    n_heads = tokens.numel()
+    depths = merged_buffers.depths.float()
+    own = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads)])  # the heads' values, unscaled
+    worth = (own * heads_scale).clamp(max=1.0)
+    lookup_worth = torch.zeros(merged.numel())  # per node: the best value of the branches through it
+    for path, p in zip(paths, p_lookup):
+        if path:
+            index = torch.tensor(path)
+            if isinstance(p, (int, float)):
+                branch_values = torch.tensor(float(p)) ** torch.arange(1, len(path) + 1, dtype=torch.float)
+            else:
+                if len(p) < len(path):
+                    raise ValueError(f"a lookup branch of {len(path)} tokens has only {len(p)} values")
+                branch_values = torch.tensor([float(v) for v in p[:len(path)]])
+            lookup_worth[index] = torch.maximum(lookup_worth[index], branch_values)
+    worth = torch.maximum(worth, lookup_worth)
+    values = worth.clone()
+    values[0] = 1.0
+    worth[0] = float("inf")  # the root always stays
+    worth_list, depth_list = worth.tolist(), depths.tolist()
+    ranked = sorted(range(merged.numel()), key=lambda i: (-worth_list[i], depth_list[i], i))
+    if latency is not None:
+        gains = worth[ranked[1:budget]].cumsum(0).tolist()  # expected accepted tokens of n-1 nodes
+        budget = max(range(1, min(budget, merged.numel()) + 1),
+                     key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / interpolate(latency, n))
+    if merged.numel() <= budget:
+        return SharedTree(merged, merged_buffers, sources, own, paths, values)
+    keep = sorted(ranked[:budget])  # original order: parents before children
+    new_index = {old: new for new, old in enumerate(keep)}
+    parents = merged_buffers.parents.tolist()
+    out_buffers = compile_buffers([0] + [new_index[parents[i]] for i in keep[1:]])
+    kept_paths = []
+    for path in paths:
+        kept = []
+        for node in path:
+            if node not in new_index:
+                break
+            kept.append(new_index[node])
+        kept_paths.append(kept)
+    keep_t = torch.tensor(keep)
+    return SharedTree(merged[keep_t], out_buffers, sources[keep_t], own[keep_t], kept_paths, values[keep_t])
+
+
+class HybridDrafter:
+    """Heads and prompt lookup together (see the module docstring): wraps any heads drafter.
+
+    Per round: the gate decides whether the heads propose; up to ``branches`` lookup continuations of the longest
+    matched suffix are merged into the heads' tree; ``share_budget`` keeps the most valuable nodes. ``observe``
+    updates the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
+    """
+
+    def __init__(self, heads_drafter, config: LookupConfig | None = None, nodes: int = 1,
+                 latency: VerifyLatency | None = None):
+        self.heads = heads_drafter
+        self.config = config or LookupConfig()
+        self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
+        self.latency = latency  # verify seconds per node count on this machine (None: keep the whole budget)
+        self.min_ngram = self.config.shortest_ngram(1)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.index = NgramIndex(self.config.max_ngram)
+        # one acceptance estimate per (matched n-gram length, branch rank): a continuation of a matched trigram is
+        # surer than one of a single token, the most recent occurrence surer than older ones
+        self.reliability: dict[tuple[int, int], LookupReliability] = {}
+        self.calibration = HeadsCalibration()  # how the heads' values compare with what is accepted here
+        self.gate = HeadsGate(self.config.heads_min_yield, self.config.heads_explore_every)
+        self.prefix_len = 0  # tokens in the backbone's cache (all but the root)
+        self._round: tuple[list, SharedTree] | None = None  # this round's branch estimates and shared tree
+
+    def describe(self) -> str:
+        return f"{self.heads.describe()} + prompt lookup"
+
+    def start(self, prefill: Prefill) -> None:
+        self._reset()
+        self.index.extend(prefill.input_ids.tolist() + [prefill.root])
+        self.prefix_len = prefill.input_ids.shape[0]
+        self.heads.start(prefill)
+
+    def propose(self, root: int, room: int) -> Draft:
+        heads_ran = self.gate.propose()
+        own = self.heads.propose(root, room if heads_ran else 0)
+        # the branch is offered whole and the shared budget decides how much of it is kept
+        matched, branches = self.index.continuations(min(self.config.max_len, room), self.min_ngram,
+                                                     self.config.branches)
+        rels = [self.reliability.setdefault((matched, rank), LookupReliability()) for rank in range(len(branches))]
+        budget = max(self.nodes, max((len(b) for b in branches), default=0) + 1)
+        # sized from the cached latency table only (no wall-clock input): a seeded generation picks the same trees,
+        # hence the same samples, every time
+        latency = self.latency.at(self.prefix_len) if self.latency is not None else None
+        shared = share_budget(own.tokens, own.buffers, own.values, branches,
+                              [rel.values(len(b)) for rel, b in zip(rels, branches)], budget, latency,
+                              self.calibration.scale)
+        self._round = (rels, shared)
+        return Draft(tokens=shared.tokens, buffers=shared.buffers, sources=shared.sources, values=shared.values,
+                     heads_ran=heads_ran)
+
+    def observe(self, outcome: Outcome) -> None:
+        rels, shared = self._round
+        path = outcome.nodes[1:].tolist()
+        path_sources = shared.sources[path].tolist()
+        for rel, nodes in zip(rels, shared.branch_nodes):
+            if nodes:
+                rel.update_branch(nodes, path)
+        if outcome.draft.heads_ran:
+            self.calibration.update(float(shared.heads_values[1:].sum()),
+                                    sum(1 for src in path_sources if src & HEADS))
+            self.gate.update(sum(1 for src in path_sources if src == HEADS))
+        self.index.extend(outcome.emitted)
+        self.prefix_len += outcome.nodes.numel()
+        self.heads.observe(outcome)
+

@@ -1,0 +1,142 @@
+"""This machine's verify latency: seconds of one backbone forward of n tree nodes over a cache of P tokens.
+
+``measure_latency`` times it, ``fit_latency`` smooths it into a curve that never decreases in n, ``VerifyLatency``
+holds curves at a few cache lengths and ``cached_latency`` measures them once per backbone and machine. The hybrid
+drafter sizes its trees from it; ``tree="auto"`` (``autotune.py``) chooses the heads' trees from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from tokenmaxx.heads import backbone_identity
+
+from .calibration_store import CALIBRATION_VERSION, cache_path, machine_fingerprint, write_record
+
+LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+def interpolate(latency: dict[int, float], n: int) -> float:
+    """Verify latency of n tokens, linearly interpolated between measured sizes (extrapolated past the ends)."""
+    sizes = sorted(latency)
+    if n in latency:
+        return latency[n]
+    lo = max([s for s in sizes if s < n], default=sizes[0])
+    hi = min([s for s in sizes if s > n], default=sizes[-1])
+    if lo == hi:  # outside the measured range: extend the nearest segment
+        a, b = (sizes[-2], sizes[-1]) if n > sizes[-1] else (sizes[0], sizes[1])
+        lo, hi = a, b
+    return latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo)
+
+
+@torch.inference_mode()
+def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int = 256, repeats: int = 7,
+                    statistic: str = "min") -> dict[int, float]:
+    """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len``: per size, the ``statistic``
+    ("min" or "median") over ``repeats`` rounds that each go through every size (a slow spell of a shared machine then
+    hits all sizes alike). Raw and still noisy: ``fit_latency`` turns it into the table the search uses."""
+    if statistic not in ("min", "median"):
+        raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None:  # stay inside the backbone's context
+        prefix_len = max(1, min(prefix_len, context - max(sizes)))
+    gen = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen), past_key_values=cache, use_cache=True)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            ids = torch.randint(vocab, (1, n), generator=gen)
+            start = time.perf_counter()
+            model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            times[n].append(time.perf_counter() - start)
+            cache.crop(-n)
+    pick = min if statistic == "min" else statistics.median
+    return {n: pick(ts) for n, ts in times.items()}
+
+
+def fit_latency(measured: dict[int, float]) -> dict[int, float]:
+    """The measured latencies smoothed into a curve that never decreases in n: one token as measured (attention runs
+    a cheaper unmasked path for a single query, markedly so over a long cache), and from two tokens on a flat-then-
+    linear ``a + b * max(0, n - knee)`` with b >= 0, fitted by least squares (the knee is the measured size that fits
+    best). Forward cost is flat while the hardware has idle lanes and then grows with the tokens; a raw table instead
+    carries the machine's noise (on a shared 2-core CPU one run measured 12 tokens faster than 1), which would tell
+    the tree search that extra nodes are free. Returns the curve at the measured sizes."""
+    sizes = sorted(n for n in measured if n >= 2)
+    out = {n: measured[n] for n in sizes}  # too few sizes to fit a curve: as measured
+    if len(sizes) >= 2:
+        ys = [measured[n] for n in sizes]
+        mean_y = sum(ys) / len(ys)
+        best = (sum((y - mean_y) ** 2 for y in ys), mean_y, 0.0, sizes[-1])  # (error, a, b, knee): flat
+        for knee in sizes[:-1]:
+            xs = [max(0, n - knee) for n in sizes]
+            mean_x = sum(xs) / len(xs)
+            var = sum((x - mean_x) ** 2 for x in xs)
+            b = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var)
+            a = mean_y - b * mean_x
+            error = sum((a + b * x - y) ** 2 for x, y in zip(xs, ys))
+            if error < best[0]:
+                best = (error, a, b, knee)
+        _, a, b, knee = best
+        out = {n: a + b * max(0, n - knee) for n in sizes}
+    if 1 in measured:
+        out[1] = min(measured[1], out[sizes[0]]) if sizes else measured[1]
+    return dict(sorted(out.items()))
+
+
+@dataclass
+class VerifyLatency:
+    """Verify latency per node count at a few cache lengths: attention over the cache makes each extra node dearer in
+    a long context (SmolLM2 bf16 on 2 cores: ~0.8 ms a node over 256 cached tokens, ~1.5 ms over 1,500)."""
+
+    tables: dict[int, dict[int, float]]  # cached tokens -> {nodes: seconds} (fitted: never decreasing in nodes)
+
+    def at(self, prefix_len: int) -> dict[int, float]:
+        """The table for a cache of ``prefix_len`` tokens: linear in the cache length between the measured lengths,
+        extended along the last segment past the longest, and the shortest's table below it."""
+        lengths = sorted(self.tables)
+        if prefix_len <= lengths[0] or len(lengths) == 1:
+            return self.tables[lengths[0]]
+        hi = next((length for length in lengths if length >= prefix_len), lengths[-1])
+        lo = lengths[lengths.index(hi) - 1]
+        w = (prefix_len - lo) / (hi - lo)
+        table, floor = {}, 0.0
+        for n in sorted(self.tables[lo]):
+            floor = max(floor, (1 - w) * self.tables[lo][n] + w * self.tables[hi][n])
+            table[n] = floor
+        return table
+
+
+def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
+                   prefix_lens: Sequence[int] = (256, 1024)) -> VerifyLatency:
+    """The fitted verify latency (``fit_latency`` of the median ``measure_latency``) of this backbone on this machine
+    at a few cache lengths, measured once and cached (~20 s on a 2-core CPU)."""
+    machine = machine_fingerprint(model)
+    shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                          "vocab_size", "intermediate_size")}
+    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency", list(prefix_lens),
+                                     CALIBRATION_VERSION, "median"], sort_keys=True, default=str).encode()
+                         ).hexdigest()[:24]
+    path = cache_path(f"latency-{key}", cache_root)
+    if path.is_file() and not refresh:
+        record = json.loads(path.read_text())
+        return VerifyLatency({int(p): {int(n): s for n, s in table.items()} for p, table in record["tables"].items()})
+    context = getattr(model.config, "max_position_embeddings", None) or max(prefix_lens) + max(LATENCY_SIZES)
+    lengths = sorted({max(1, min(p, context - max(LATENCY_SIZES))) for p in prefix_lens})
+    # the median, not the best case: in the decode loop a multi-token forward runs ~15 ms over a single token's at the
+    # median (SmolLM2 bf16, 2 shared cores) while the minima differ by ~4 ms; sized on minima, hybrid trees came out
+    # too big (held-out summarization 1.53x with minima vs 1.76x with medians, one interleaved run)
+    measured = {p: measure_latency(model, prefix_len=p, statistic="median") for p in lengths}
+    tables = {p: fit_latency(m) for p, m in measured.items()}
+    write_record(path, {"tables": tables, "measured": measured, "machine": machine})
+    return VerifyLatency(tables)

@@ -1,0 +1,169 @@
+"""Shared test helpers: tiny random backbones built from a config (fp32, no download), heads with random or rigged
+weights, greedy references, statistics for the sampling tests. Test files import from here, never from each other."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tokenmaxx.heads import HeadsConfig, MedusaHeads, MTPHeads
+from tokenmaxx.inference.decoding import Accepted
+from tokenmaxx.inference.sampling import target_probs
+
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
+    torch.manual_seed(seed)
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = cfg_cls(**{**TINY, **overrides}, attn_implementation=attn)
+    model = model_cls(config).eval()
+    # Spread the logits: random init gives near-flat distributions whose argmax ties are numerically fragile.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.requires_grad_(False)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model
+
+
+def random_heads(model, seed: int = 0, num_heads: int = 4, **kw) -> MedusaHeads:
+    """Medusa heads with random (non-zero) residual weights: they guess badly, so acceptance is low."""
+    heads = MedusaHeads.for_backbone(model, num_heads=num_heads, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return heads
+
+
+class OracleHeads(MedusaHeads):
+    """Heads rigged to know the backbone's greedy continuation ``reference`` (prompt + new tokens).
+
+    The position of a hidden state is found by nearest neighbour among the reference sequence's hidden states, and head
+    k proposes the true token at t+k+1 at a random rank (rank 0 with probability ``p_top``), or, with probability
+    ``p_wrong``, not at all; other ranks get random tokens. So accepted paths are long and run through side branches.
+    """
+
+    def __init__(self, model, reference: torch.Tensor, num_heads: int = 4, p_top: float = 0.7,
+                 p_wrong: float = 0.1, seed: int = 0):
+        hidden, vocab = model.lm_head.weight.shape[1], model.lm_head.weight.shape[0]
+        super().__init__(HeadsConfig(kind="medusa", num_heads=num_heads, hidden_size=hidden, vocab_size=vocab))
+        self.reference = reference[0]  # [T]
+        with torch.no_grad():
+            self.states = model(reference, output_hidden_states=True).hidden_states[-1][0]  # [T, H]
+        self.vocab = vocab
+        self.p_top, self.p_wrong = p_top, p_wrong
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def draft_logits(self, hidden, lm_head=None):  # hidden [H] -> logits [K, V] (what Medusa drafting reads)
+        t = int((self.states - hidden.float()).norm(dim=-1).argmin())
+        logits = torch.rand(self.config.num_heads, self.vocab, generator=self.gen)
+        for k in range(1, self.config.num_heads + 1):
+            if t + k + 1 >= self.reference.numel():
+                continue
+            u = float(torch.rand(1, generator=self.gen))
+            if u < self.p_wrong:
+                continue
+            target = int(self.reference[t + k + 1])
+            if u >= self.p_wrong + self.p_top:  # the truth at rank 1, behind a decoy
+                logits[k - 1, int(torch.randint(self.vocab, (1,), generator=self.gen))] = 10.0
+            logits[k - 1, target] = 10.0 if u < self.p_wrong + self.p_top else 5.0
+        return logits
+
+
+def greedy_reference(model, input_ids, max_new_tokens):
+    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                          do_sample=False)
+
+
+def random_mtp(model, seed: int = 0, num_heads: int = 3, scale: float = 0.3) -> MTPHeads:
+    heads = MTPHeads.for_backbone(model, num_heads=num_heads)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return heads.eval()
+
+
+def chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit, cells with expected count < 5 merged into one."""
+    n = counts.sum()
+    expected = expected_probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def exact_pair(model, prefix: torch.Tensor, warpers) -> torch.Tensor:
+    """Exact P(t1=a, t2=b) [V, V] of plain sampling after ``prefix`` [T]."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        p1 = target_probs(model(prefix[None]).logits[0, -1], warpers)  # [V]
+        seqs = torch.cat([prefix.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)  # [V, T+1]
+        p2 = target_probs(model(seqs).logits[:, -1], warpers)  # [V, V]
+    return p1[:, None] * p2
+
+
+def broken_accept(tokens, logits, buffers, warpers, generator):
+    """Deliberately wrong: no residual (p is not renormalised after a rejection, the bonus may repeat a rejected draft)."""
+    node, path = 0, [0]
+    p = target_probs(logits[0], warpers)
+    while True:
+        for child in buffers.children[node]:
+            if float(torch.rand((), generator=generator)) < p[int(tokens[child])]:
+                node, path = child, path + [child]
+                p = target_probs(logits[child], warpers)
+                break
+        else:
+            bonus = int(torch.multinomial(p, 1, generator=generator))
+            break
+    nodes = torch.tensor(path)
+    return Accepted(nodes=nodes, tokens=tokens[nodes[1:]].tolist() + [bonus])
+
+
+def random_prompts(n, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        length = int(torch.randint(1, 20, (1,), generator=gen))
+        yield torch.randint(3, vocab, (1, length), generator=gen), int(torch.randint(1, 40, (1,), generator=gen))
+
+
+def oracle_tau(model, make_generator, n: int, seed: int) -> float:
+    """Generate from n random prompts with ``make_generator(reference, i)`` (oracle heads that know ``reference``, the
+    greedy continuation, 8 tokens beyond what is generated for their look-ahead), assert each output equals plain
+    greedy generate, and return the mean tokens per speculative step."""
+    total_steps = total_tokens = 0
+    for i, (input_ids, max_new) in enumerate(random_prompts(n, model.config.vocab_size, seed=seed)):
+        max_new += 20
+        expected = greedy_reference(model, input_ids, max_new)
+        gen = make_generator(greedy_reference(model, input_ids, max_new + 8), i)
+        out = gen.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist()
+        total_steps += out.stats.steps
+        total_tokens += out.stats.new_tokens - 1  # the first token comes from the prefill
+    return total_tokens / total_steps
+
+
+def assert_matches_greedy(gen, model, n: int, seed: int) -> None:
+    """``gen`` reproduces model.generate(do_sample=False) on n random prompts of random lengths and token budgets."""
+    for input_ids, max_new in random_prompts(n, model.config.vocab_size, seed=seed):
+        expected = greedy_reference(model, input_ids, max_new)
+        out = gen.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == expected.tolist()
+        assert out.stats.new_tokens == expected.shape[1] - input_ids.shape[1]
+
+
+BENCH_STATS = {"tokens": 640, "seconds": 4.0, "tokens_per_s": 160.0, "speedup": 1.62, "tau": 2.05, "identical_rate": 1.0,
+     "prompts": 5}
+BENCH = {"config": {"backbone": "smollm2-135m", "dtype": "bfloat16", "threads": 2, "max_new_tokens": 128},
+         "machine": {"cpu": "test cpu", "threads": 2},
+         "methods": {"baseline": {"overall": {**BENCH_STATS, "speedup": 1.0, "tau": 1.0}, "categories": {"coding": BENCH_STATS, "math": BENCH_STATS}},
+                     "medusa": {"overall": BENCH_STATS, "categories": {"coding": {**BENCH_STATS, "speedup": 1.91}, "math": BENCH_STATS}}}}
