@@ -13,7 +13,8 @@ How it is switched: ``sdpa_sharing_kv_heads`` is registered through transformers
 keyword ``tokenmaxx_share_kv_heads=True``, which only tokenmaxx's tree forwards pass (``shared_kv_kwargs``). The
 keyword travels with the forward call, so nothing process-wide changes and two threads generating at once each get
 what they asked for. A backbone on transformers' "sdpa" is moved onto it once (``shared_kv_kwargs``): its other
-forwards compute exactly what they did. On CUDA the keyword is never passed (see above: there it would be slower).
+forwards compute exactly what they did (the same attention function and the same masks, ``sdpa_mask``; tested with
+transformers' own prompt-lookup generation). On CUDA the keyword is never passed (there it would be slower).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 IMPLEMENTATION = "tokenmaxx_sdpa"
 SHARE_KV_HEADS = "tokenmaxx_share_kv_heads"  # forward keyword: this masked call may let SDPA share the KV heads
@@ -45,6 +47,9 @@ def sdpa_sharing_kv_heads(module, query: torch.Tensor, key: torch.Tensor, value:
 
 
 AttentionInterface.register(IMPLEMENTATION, sdpa_sharing_kv_heads)
+# the masks transformers builds for it are SDPA's: without this, transformers builds none for an unknown
+# implementation, and a multi-token forward over a cache (assisted / prompt-lookup verification) loses its causal mask
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 
 
 def shares_kv_heads(model) -> bool:

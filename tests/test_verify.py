@@ -130,3 +130,21 @@ def test_kv_head_sharing_only_where_it_fits():
     model = tiny_model("llama")
     model.config.v_head_dim = 4  # keys and values of different sizes (MLA-style)
     assert not shares_kv_heads(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_backbone_moved_onto_the_shared_kv_attention_generates_as_before(arch):
+    """A generator moves an SDPA backbone onto "tokenmaxx_sdpa"; everything else the user runs on it is unchanged:
+    transformers' greedy generate and its prompt-lookup generation (multi-token forwards over a cache, whose causal
+    mask transformers builds for the implementation) give the same tokens before and after."""
+    model = tiny_model(arch, seed=5)
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 9, 3, 4, 5]])
+
+    def runs():
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        return [model.generate(ids, **kwargs).tolist(), model.generate(ids, prompt_lookup_num_tokens=4, **kwargs).tolist()]
+
+    before = runs()
+    assert shared_kv_kwargs(model) and model.config._attn_implementation == IMPLEMENTATION
+    assert runs() == before and before[0] == before[1]
