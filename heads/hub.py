@@ -2,10 +2,7 @@
 
 Push, ``push_to_hub(heads_or_folder, repo_id, ...)``:
   1. check    the repo id ("org/name"), the heads (loaded strictly), the bench JSON: all before any network call
-  2. card     README.md rendered from ``model_cards/heads_card.md.jinja`` with huggingface_hub's ModelCard /
-              ModelCardData (base_model, license, tags, datasets; training, accuracies, tree, bench, usage); the
-              bench table from a raw ``scripts/bench.py`` JSON: the rows of the heads' kind beside the references,
-              under ``METHOD_LABELS``
+  2. card     README.md rendered by ``card.render_model_card`` (offline)
   3. repo     ``HfApi.create_repo(exist_ok=True)``; ``create_branch`` when ``revision`` names a branch
   4. commit   config.json + model.safetensors + README.md in ONE ``HfApi.create_commit`` (unchanged files are skipped
               by huggingface_hub; nothing changed at all means no new commit)
@@ -23,49 +20,16 @@ PermissionError), FileNotFoundError (heads that are neither on the Hub nor in th
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from .backbones import BACKBONES
-from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
-from .loading import load_heads
-from .registry import head_kind
+from .card import CARD_NAME, load_bench, render_model_card
+from .config import CONFIG_NAME, WEIGHTS_NAME
+from .loading import check_repo_id, load_heads
 
 log = logging.getLogger(__name__)
-
-CARD_NAME = "README.md"
-CARD_TEMPLATE = "heads_card.md.jinja"
-NOT_RECORDED = "not recorded"
-TAGS = ("tokenmaxx", "speculative-decoding", "draft-heads")
-# License of each backbone, by Hub id (the registry's aliases map to these through BackboneSpec.hub_id).
-LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0", "Qwen/Qwen2.5-Coder-0.5B-Instruct": "apache-2.0",
-            "Qwen/Qwen2.5-Coder-1.5B-Instruct": "apache-2.0"}
-# Prompt sources of training.data (DataConfig.sources) that are Hub datasets.
-DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
-BENCH_STATS = ("tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts")
-# What a card calls each method of a raw bench JSON (the names scripts/bench.py writes; a name may end in ":<tree>").
-# Names not listed here are shown as they are.
-METHOD_LABELS = {
-    "baseline": "plain `generate` (baseline)",
-    "prompt_lookup": "transformers prompt lookup",
-    "assisted": "transformers assisted generation (draft model)",
-    "lookup": "prompt lookup drafting only (no heads)",
-    "tokenmaxx": "heads only (the bench's `--heads`)",
-    "hybrid": "heads + prompt lookup (hybrid, the bench's `--heads`)",
-    "medusa": "Medusa heads only",
-    "medusa_hybrid": "Medusa heads + prompt lookup (hybrid)",
-    "mtp": "MTP heads only",
-    "mtp_hybrid": "MTP heads + prompt lookup (hybrid)",
-}
-# Methods every card shows when the bench ran them: what the heads are measured against.
-REFERENCE_METHODS = ("baseline", "prompt_lookup", "assisted", "lookup")
-# Methods that ran the bench's `--heads`, whatever their kind: shown only when the bench ran no method named after
-# the card's kind.
-GENERIC_HEADS_METHODS = ("tokenmaxx", "hybrid")
 
 
 class HubUnreachableError(ConnectionError):
@@ -74,263 +38,6 @@ class HubUnreachableError(ConnectionError):
 
 class HubAuthError(PermissionError):
     """The Hub refused the credentials (missing, invalid, or without write access)."""
-
-
-# ---- checks ---------------------------------------------------------------------------------------------------------
-def check_repo_id(repo_id: str) -> str:
-    """Return ``repo_id`` if it is a valid Hub model id ("org/name" or "name"), else raise ValueError naming it."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if not isinstance(repo_id, str):
-        raise ValueError(f"repo id must be a string like 'org/name', got {type(repo_id).__name__} {repo_id!r}")
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise ValueError(f"malformed Hub repo id {repo_id!r}: expected 'org/name' (letters, digits, '-', '_', '.'; "
-                         f"at most 96 characters per part) ({err})") from None
-    return repo_id
-
-
-def load_bench(bench: str | os.PathLike | dict) -> dict:
-    """A bench report (``scripts/bench.py --out``), checked against its fixed shape:
-    ``{"config", "machine", "methods": {name: {"overall": S, "categories": {cat: S}}}}``."""
-    where = "bench report"
-    if not isinstance(bench, dict):
-        where = f"bench JSON {bench}"
-        try:
-            bench = json.loads(Path(bench).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{where} cannot be read as JSON ({err})") from None
-    missing = [k for k in ("config", "machine", "methods") if not isinstance(bench, dict) or k not in bench]
-    if missing or not isinstance(bench["methods"], dict) or not bench["methods"]:
-        raise ValueError(f"{where} must be an object with 'config', 'machine' and a non-empty 'methods' "
-                         f"(missing or empty: {missing or ['methods']})")
-    for name, method in bench["methods"].items():
-        stats = [("overall", method.get("overall") if isinstance(method, dict) else None)]
-        cats = method.get("categories") if isinstance(method, dict) else None
-        if not isinstance(cats, dict):
-            raise ValueError(f"{where}: method {name!r} needs 'overall' and 'categories' objects")
-        for label, s in stats + list(cats.items()):
-            absent = [k for k in BENCH_STATS if not isinstance(s, dict) or not isinstance(s.get(k), (int, float))]
-            if absent:
-                raise ValueError(f"{where}: method {name!r}, {label}: missing numeric {absent}; expected {BENCH_STATS}")
-    return bench
-
-
-# ---- model card -----------------------------------------------------------------------------------------------------
-def card_template_path() -> Path:
-    """The card template: packaged as ``tokenmaxx.model_cards``, else read from the source checkout."""
-    from importlib.resources import files
-
-    with contextlib.suppress(ModuleNotFoundError):
-        packaged = files("tokenmaxx.model_cards") / CARD_TEMPLATE
-        if packaged.is_file():
-            return Path(str(packaged))
-    checkout = Path(__file__).resolve().parent.parent / "model_cards" / CARD_TEMPLATE
-    if checkout.is_file():
-        return checkout
-    raise FileNotFoundError(f"model card template {CARD_TEMPLATE} is neither packaged (tokenmaxx.model_cards) nor at "
-                            f"{checkout}; reinstall tokenmaxx")
-
-
-def backbone_hub_id(config: HeadsConfig) -> str | None:
-    """The backbone's Hub id: the alias's original model, or the recorded id when it is one (not a local folder)."""
-    name = config.backbone
-    if not name:
-        return None
-    if name in BACKBONES:
-        return BACKBONES[name].hub_id
-    if name.startswith((".", "/", "~")) or Path(name).exists():
-        return None
-    with contextlib.suppress(ValueError):
-        return check_repo_id(name)
-    return None
-
-
-def _get(data: Any, dotted: str, kind: type | tuple = object) -> Any:
-    """``data["a"]["b"]`` for "a.b" when present and of type ``kind``, else None (provenance is free-form)."""
-    for key in dotted.split("."):
-        if not isinstance(data, dict) or data.get(key) is None:
-            return None
-        data = data[key]
-    return data if isinstance(data, kind) and not isinstance(data, bool) else None
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return NOT_RECORDED
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
-
-
-def _training_rows(extra: dict) -> list[tuple[str, str]]:
-    """(what, value) rows from ``config.extra`` as the trainer fills it; absent keys read "not recorded"."""
-    num = (int, float)
-    sources = _get(extra, "data.provenance.sources", list) or \
-        ([_get(extra, "training.data", str)] if _get(extra, "training.data", str) else None)
-    records = _get(extra, "data.rows", int) or _get(extra, "data.provenance.num_records", int)
-    sampling = _get(extra, "data.provenance.sampling", dict)
-    data = NOT_RECORDED
-    if sources:
-        data = ", ".join(f"`{s}`" for s in sources) + (f", {records:,} prompts" if records else "")
-        data += "; answers generated by the backbone itself (self-distillation"
-        data += f", {json.dumps(sampling)})" if sampling else ")"
-    micro, accum, world = (_get(extra, k, int) for k in ("training.micro_batch_size", "training.grad_accum",
-                                                         "world_size"))
-    per_step = f"{micro * accum * world} ({micro} x {accum} accumulation x {world} process(es))" \
-        if micro and accum and world else NOT_RECORDED
-    hardware = _get(extra, "hardware", (dict, str)) or _get(extra, "machine", (dict, str))
-    if isinstance(hardware, dict):
-        hardware = ", ".join(f"{k} {v}" for k, v in hardware.items())
-    if hardware and world:
-        hardware = f"{hardware}; {world} process(es)"
-    steps, lr, warmup = _get(extra, "steps", int), _get(extra, "training.lr", num), _get(extra, "training.warmup", int)
-    positions = _get(extra, "train_positions_per_s", num)
-    wall = _duration(_get(extra, "wall_seconds", num))
-    processes = _get(extra, "processes", int)
-    if wall != NOT_RECORDED and processes and processes > 1:
-        wall += f" in {processes} runs (resumed from checkpoints)"
-    note = _get(extra, "time_note", str)
-    if wall != NOT_RECORDED and note:
-        wall += f"; {note}"
-    return [("data", data),
-            ("optimizer steps", f"{steps:,}" if steps is not None else NOT_RECORDED),
-            ("sequences per step", per_step),
-            ("sequence length", str(_get(extra, "training.seq_len", int) or NOT_RECORDED)),
-            ("loss", str(_get(extra, "training.loss", str) or NOT_RECORDED)),
-            ("learning rate", f"{lr:g} peak" + (f", {warmup} warm-up steps" if warmup is not None else "")
-             if lr is not None else NOT_RECORDED),
-            ("precision", str(_get(extra, "training.dtype", str) or NOT_RECORDED)),
-            ("hardware", str(hardware or NOT_RECORDED)),
-            ("wall time", wall),
-            ("throughput", f"{positions:,.0f} positions/s" if positions is not None else NOT_RECORDED)]
-
-
-def _accuracy_rows(metrics: dict) -> list[dict]:
-    def column(name: str) -> list:
-        values = metrics.get(name)
-        return values if isinstance(values, list) else []
-
-    def fmt(values: list, k: int) -> str:
-        ok = k < len(values) and isinstance(values[k], (int, float)) and not isinstance(values[k], bool)
-        return f"{values[k]:.3f}" if ok else NOT_RECORDED
-
-    top1, top5 = column("head_top1"), column("head_top5")
-    return [{"head": k + 1, "top1": fmt(top1, k), "top5": fmt(top5, k)} for k in range(max(len(top1), len(top5)))]
-
-
-def _base_method(name: str) -> str:
-    """``"mtp:dynamic:24"`` -> ``"mtp"``: a bench method name without its tree."""
-    return name.split(":", 1)[0]
-
-
-def method_label(name: str, bench: dict | None = None) -> str:
-    """The label a card shows for the raw bench method ``name`` (``METHOD_LABELS``; a ``:<tree>`` suffix is named,
-    unknown names are kept as they are)."""
-    base, _, tree = name.partition(":")
-    if base not in METHOD_LABELS:
-        return name
-    label = METHOD_LABELS[base]
-    best = _get(bench, "config.notes.prompt_lookup.best", str) if bench else None
-    if base == "prompt_lookup" and best and best.startswith("prompt_lookup:"):
-        label += f" ({best.split(':', 1)[1]} tokens)"  # the best --lookup_tokens setting, as the bench chose it
-    return f"{label}, tree `{tree}`" if tree else label
-
-
-def card_methods(bench: dict, kind: str) -> list[str]:
-    """The bench methods a card for heads of ``kind`` shows, in the bench's order: the references (baseline, prompt
-    lookup, assisted, lookup) and the methods named after the kind (``kind``, ``kind_hybrid``, with any tree); when the
-    bench ran none of those, the methods that ran its ``--heads`` (tokenmaxx, hybrid) instead."""
-    names = list(bench["methods"])
-    own = [n for n in names if _base_method(n) in (kind, f"{kind}_hybrid")]
-    heads = own or [n for n in names if _base_method(n) in GENERIC_HEADS_METHODS]
-    return [n for n in names if _base_method(n) in REFERENCE_METHODS or n in heads]
-
-
-def _bench_context(bench: dict, kind: str, methods: list[str] | None = None) -> dict:
-    """The card's bench table from a raw bench report: the rows ``methods`` (default ``card_methods``), labelled."""
-    if methods is None:
-        methods = card_methods(bench, kind)
-    unknown = [n for n in methods if n not in bench["methods"]]
-    if unknown or not methods:
-        raise ValueError(f"bench report: no method to show on a {kind} heads card (asked for {methods}; the report "
-                         f"has {list(bench['methods'])})")
-    cats = list(bench["methods"][methods[0]]["categories"])
-    cell = lambda s: f"{s['speedup']:.2f}x (tau {s['tau']:.2f})"  # noqa: E731
-    rows = []
-    for name in methods:
-        m = bench["methods"][name]
-        rows.append({"label": method_label(name, bench),
-                     "cells": [cell(m["categories"][c]) if c in m["categories"] else "-" for c in cats],
-                     "overall": cell(m["overall"]), "tokens_per_s": f"{m['overall']['tokens_per_s']:.1f}",
-                     "identical": f"{m['overall']['identical_rate']:.0%}"})
-    cfg, machine = bench["config"], bench["machine"]
-    keys = {"backbone": "backbone", "dtype": "dtype", "threads": "threads", "max_new_tokens": "max_new_tokens",
-            "prompt_count": "prompts", "tree": "tree"}
-    setup = ", ".join(f"{label} {cfg[k]}" for k, label in keys.items() if cfg.get(k) is not None)
-    host = ", ".join(str(machine[k]) for k in ("cpu", "platform") if k in machine)
-    return {"categories": cats, "rows": rows, "methods": ", ".join(f"`{n}`" for n in methods),
-            "setup": setup or NOT_RECORDED, "machine": host or NOT_RECORDED}
-
-
-def usage_snippet(config: HeadsConfig, repo_id: str) -> str:
-    """Python that loads these heads from the Hub and generates (the card's usage section; tests execute it)."""
-    head = "from tokenmaxx.inference import SpeculativeGenerator\n\n"
-    if config.backbone:
-        backbone = repr(config.backbone)
-    else:
-        head += "BACKBONE = ...  # the backbone these heads were trained on (not recorded in their config)\n"
-        backbone = "BACKBONE"
-    return (head + f"gen = SpeculativeGenerator.from_pretrained(backbone={backbone}, heads={repo_id!r})\n"
-            'out = gen.generate([{"role": "user", "content": "Explain KV caches in two sentences."}], '
-            "max_new_tokens=64)\n"
-            "print(out.text)\n"
-            'print(f"tokens per backbone forward (tau): {out.stats.mean_tau:.2f}")')
-
-
-def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLike | dict | None = None,
-                      license: str | None = None, methods: list[str] | None = None):
-    """The heads' model card as a ``huggingface_hub.ModelCard`` (YAML metadata + markdown). Works offline.
-
-    ``bench``: a raw ``scripts/bench.py`` report; the card shows the methods ``methods`` (raw names, default
-    ``card_methods(bench, config.kind)``) under the labels of ``METHOD_LABELS``."""
-    from huggingface_hub import ModelCard, ModelCardData
-    from huggingface_hub.utils import is_jinja_available
-
-    if not is_jinja_available():
-        raise ImportError("rendering the model card needs jinja2: pip install jinja2")
-    base = backbone_hub_id(config)
-    spec = BACKBONES.get(config.backbone or "")
-    extra = config.extra if isinstance(config.extra, dict) else {}
-    sources = _get(extra, "data.provenance.sources", list) or []
-    datasets = sorted({DATASETS[s] for s in sources if isinstance(s, str) and s in DATASETS})
-    license = license or LICENSES.get(base or "")
-    data = ModelCardData(base_model=base, library_name="tokenmaxx", license=license, datasets=datasets or None,
-                         tags=[*TAGS, config.kind])
-    metrics = _get(extra, "metrics", dict) or {}
-    context = {
-        "repo_id": repo_id, "config": config, "license": license or NOT_RECORDED, "base_model": base,
-        "backbone": config.backbone or NOT_RECORDED, "backbone_revision": config.backbone_revision or NOT_RECORDED,
-        "install_hint": spec.install_hint if spec else None, "training": _training_rows(extra),
-        "accuracies": _accuracy_rows(metrics),
-        "eval_positions": _get(metrics, "eval_positions", int),
-        "card": head_kind(config.kind).card_sections(config),  # what only the kind can say (its trees)
-        "bench": _bench_context(load_bench(bench), config.kind, methods) if bench is not None else None,
-        "usage": usage_snippet(config, repo_id),
-    }
-    return ModelCard.from_template(data, template_path=str(card_template_path()), **context)
-
-
-def save_model_card(folder: str | os.PathLike, repo_id: str, bench=None, license: str | None = None,
-                    methods: list[str] | None = None) -> Path:
-    """Render the card for the heads saved in ``folder`` and write it as ``folder/README.md``."""
-    card = render_model_card(HeadsConfig.from_json_file(Path(folder) / CONFIG_NAME), repo_id, bench, license,
-                             methods)
-    path = Path(folder) / CARD_NAME
-    path.write_text(str(card), encoding="utf-8")
-    return path
 
 
 # ---- push -----------------------------------------------------------------------------------------------------------
@@ -443,8 +150,8 @@ def download_heads(repo_id: str, revision: str | None = None, **hub_kwargs) -> P
         raise FileNotFoundError(f"heads repo {repo_id!r} has no revision {revision!r} on the Hub at "
                                 f"{endpoint}") from err
     except RepositoryNotFoundError as err:
-        raise FileNotFoundError(f"heads {at}: no local folder of that name, and no such repo on the Hub at {endpoint} "
-                                "(or it is private and no token with access was given)") from err
+        raise FileNotFoundError(f"no repo {at} on the Hub at {endpoint} (or it is private and no token with "
+                                "access was given)") from err
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"Hub repo {at} holds no {CONFIG_NAME}: not tokenmaxx heads (push_to_hub writes "
                                 f"{CONFIG_NAME}, {WEIGHTS_NAME} and {CARD_NAME})")

@@ -1,7 +1,10 @@
-"""Strict loading of saved heads (config.json + model.safetensors), for ``DraftHeads.from_pretrained`` and the Hub."""
+"""Strict loading of saved heads (config.json + model.safetensors), for ``DraftHeads.from_pretrained`` and the Hub;
+and which heads specs name a local folder rather than a Hub repo id."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -10,6 +13,23 @@ from safetensors.torch import load_file
 
 from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
 from .registry import head_kind
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` can only be a local path, never a Hub repo id ("org/name"): it starts with ``./``, ``../``,
+    ``/`` or ``~``, ends with ``/``, or has more than one ``/``."""
+    return spec.startswith(("./", "../", "/", "~")) or spec in (".", "..") or spec.endswith("/") or spec.count("/") > 1
+
+
+def missing_folder(spec: str | os.PathLike) -> str:
+    """What a heads spec that names no folder says about the local side: the folder, resolved, and a hint when it
+    is a file, or when its parent exists (a typo in the last part)."""
+    folder = Path(spec).expanduser().resolve()
+    if folder.exists():
+        return f"{folder} is a file, not a heads folder (one holding {CONFIG_NAME} and {WEIGHTS_NAME})"
+    named_parent = Path(spec).expanduser().parent != Path(".") and folder.parent != Path(folder.anchor)
+    hint = f" (its parent {folder.parent} exists: a typo?)" if named_parent and folder.parent.is_dir() else ""
+    return f"no such heads folder {folder}{hint}"
 
 
 def load_heads(folder: str | Path, dtype: torch.dtype | None = None):
@@ -39,3 +59,25 @@ def load_heads(folder: str | Path, dtype: torch.dtype | None = None):
     if dtype is not None:
         heads.to(dtype)
     return heads.eval()
+
+
+def check_repo_id(repo_id: str) -> str:
+    """Return ``repo_id`` if it is a valid Hub model id ("org/name" or "name"), else raise ValueError naming it."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(repo_id, str):
+        raise ValueError(f"repo id must be a string like 'org/name', got {type(repo_id).__name__} {repo_id!r}")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"malformed Hub repo id {repo_id!r}: expected 'org/name' (letters, digits, '-', '_', '.'; "
+                         f"at most 96 characters per part) ({err})") from None
+    return repo_id
+
+
+def is_repo_id(spec: str) -> bool:
+    """Whether ``spec`` has the form of a Hub repo id that heads can live under: "org/name", valid."""
+    with contextlib.suppress(ValueError):
+        return isinstance(spec, str) and spec.count("/") == 1 and check_repo_id(spec) == spec
+    return False

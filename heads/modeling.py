@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -18,12 +20,33 @@ from torch import nn
 
 from .backbones import backbone_identity
 from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
-from .hub import download_heads, push_to_hub
-from .loading import load_heads
+from .hub import HubUnreachableError, download_heads, push_to_hub
+from .loading import is_repo_id, load_heads, looks_like_path, missing_folder
 
 
 class BackboneMismatchError(ValueError):
     """Heads were made for a different backbone than the one they are attached to."""
+
+
+class BackboneIdentityWarning(UserWarning):
+    """Heads name the backbone they were made for, but the model they are attached to carries no name to check."""
+
+
+# model -> the heads' backbone names already warned about for it (each warning once per model and name)
+_UNNAMED_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _warn_unnamed_backbone(model, backbone: str, revision: str | None) -> None:
+    """Warn (once per model object and heads backbone) that only the shapes of ``model`` could be checked."""
+    warned = _UNNAMED_WARNED.setdefault(model, set())
+    if backbone in warned:
+        return
+    warned.add(backbone)
+    warnings.warn(f"heads were made for backbone {backbone!r} (revision {revision}), but this model carries no "
+                  "identity (neither config.tokenmaxx_backbone nor config.name_or_path), so whether it is that "
+                  "backbone could not be checked: only its hidden size and vocabulary match. Load it with "
+                  "load_backbone(...) or from_pretrained(...), which record it; strict_identity=False skips this "
+                  "check knowingly", BackboneIdentityWarning, stacklevel=3)
 
 
 def _backbone_shapes(model) -> tuple[int, int]:
@@ -75,7 +98,8 @@ class DraftHeads(nn.Module):
 
     # ---- backbone compatibility -------------------------------------------------------------------------------
     def check_backbone(self, model, strict_identity: bool = True) -> None:
-        """Raise BackboneMismatchError if these heads cannot run on ``model``."""
+        """Raise BackboneMismatchError if these heads cannot run on ``model``; warn (BackboneIdentityWarning, once
+        per model) when the heads name their backbone but ``model`` has no name to check it against."""
         hidden, vocab = _backbone_shapes(model)
         cfg = self.config
         if (hidden, vocab) != (cfg.hidden_size, cfg.vocab_size):
@@ -83,6 +107,8 @@ class DraftHeads(nn.Module):
                 f"heads expect hidden size {cfg.hidden_size} and vocabulary {cfg.vocab_size} "
                 f"(made for backbone {cfg.backbone!r}), but the backbone has hidden size {hidden} and vocabulary {vocab}")
         ident, revision = backbone_identity(model)
+        if strict_identity and cfg.backbone and not ident:
+            _warn_unnamed_backbone(model, cfg.backbone, cfg.backbone_revision)
         if strict_identity and cfg.backbone and ident and cfg.backbone != ident:
             raise BackboneMismatchError(
                 f"heads were made for backbone {cfg.backbone!r} (revision {cfg.backbone_revision}), "
@@ -192,12 +218,24 @@ class DraftHeads(nn.Module):
                         dtype: torch.dtype | None = None, **hub_kwargs) -> "DraftHeads":
         """Load heads saved by ``save_pretrained`` (a local folder, or a Hub repo id), strictly.
 
-        For a Hub repo id, ``hub_kwargs`` go to ``huggingface_hub.snapshot_download`` (endpoint, cache_dir, token,
-        local_files_only). Whether the heads fit a backbone is checked when they are attached to one (``check_backbone``).
+        A spec that names no folder goes to the Hub only when it has the form "org/name"; one that can only be a path
+        (starting with ``./``, ``../``, ``/`` or ``~``, ending with ``/``, or with more than one ``/``) or has
+        another form gets a FileNotFoundError naming the folder, resolved. A Hub miss says what was tried on both
+        sides. For a Hub repo id, ``hub_kwargs`` go to ``huggingface_hub.snapshot_download`` (endpoint, cache_dir,
+        token, local_files_only). Whether the heads fit a backbone is checked when they are attached to one
+        (``check_backbone``).
         """
-        folder = Path(path_or_repo)
-        if not folder.is_dir():
-            folder = _download(str(path_or_repo), revision, **hub_kwargs)
+        folder = Path(path_or_repo).expanduser()
+        if folder.is_dir():
+            return load_heads(folder, dtype=dtype)
+        spec = os.fspath(path_or_repo)
+        if not isinstance(path_or_repo, str) or looks_like_path(spec) or not is_repo_id(spec):
+            raise FileNotFoundError(f"heads {spec!r}: {missing_folder(spec)}; not a Hub repo id "
+                                    "of the form 'org/name' either, so the Hub was not asked")
+        try:
+            folder = download_heads(spec, revision, **hub_kwargs)
+        except (FileNotFoundError, HubUnreachableError) as err:  # say what was tried on both sides
+            raise type(err)(f"heads {spec!r}: {missing_folder(spec)}, and on the Hub: {err}") from err
         return load_heads(folder, dtype=dtype)
 
 
@@ -205,8 +243,3 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _download(repo_id: str, revision: str | None, **hub_kwargs) -> Path:
-    """Fetch a heads repo from the Hub (honours HF_HUB_OFFLINE and the local cache); see ``hub.download_heads``."""
-    return download_heads(repo_id, revision, **hub_kwargs)

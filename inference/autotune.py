@@ -7,6 +7,10 @@ generic calibration prompts (``calibrate_ranks``), the tree from ``tree_search.c
 heads): E[tau] of each node budget from drafting along those continuations (``calibrate_dynamic``). Latency from
 ``latency.py``, the loop's own overhead from short generations (``measure_overheads``); records cached by
 ``calibration_store``. ``resolve_auto`` picks the calibration that fits the settings type of the heads' kind.
+
+Calibrating takes about a minute: it shows progress bars on stderr, then one line says what was chosen and why
+(``describe_choice``: the expected tokens/s against a 1-node tree's, i.e. no drafting); a cached choice says which file
+it was read from.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import functools
 import itertools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from tokenmaxx.heads import DynamicTreeConfig, Outcome, Prefill, Tree
 from tokenmaxx.heads.attention import shared_kv_kwargs
@@ -48,7 +54,8 @@ CALIBRATION_PROMPTS = (
 def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int):
     """Per calibration prompt: its chat input_ids [1, P], the backbone's greedy continuation seq [T] (prompt
     included) and the final-normed hidden states along it [T, H]."""
-    for text in prompts:
+    for text in tqdm(prompts, desc="tree='auto': calibrating on prompts", unit="prompt", leave=False,
+                     file=sys.stderr):
         ids = _chat_ids(tokenizer, text)
         seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False)  # [1, T]
@@ -56,12 +63,12 @@ def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int)
 
 
 @torch.inference_mode()
-def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS,
+def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] | None = None,
                     max_new_tokens: int = 128, max_rank: int = 10) -> torch.Tensor:
     """Ranks [T, K] of the backbone's own greedy continuation in each head's top-``max_rank`` (max_rank = absent)."""
     lm_head = model.get_output_embeddings()
     rows = []
-    for ids, seq, hidden in continuations(model, tokenizer, prompts, max_new_tokens):
+    for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens):
         start = ids.shape[1] - 1  # first position whose next token is generated
         logits = heads.draft_logits(hidden[start:], lm_head)  # [K, T', V]
         top = logits.topk(max_rank, dim=-1).indices  # [K, T', R]
@@ -94,11 +101,12 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) ->
     eos = eos_ids(model.generation_config)
     attention = shared_kv_kwargs(model)
     samples: dict = {key: [] for key in trees}
-    for _ in range(repeats):
-        for key, tree in trees.items():
-            drafter = make_drafter("heads", model, heads, tree=tree)
-            _, s = speculative_decode(model, drafter, ids, 48, accept_greedy, greedy_root, eos, attention=attention)
-            samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
+    rounds = [(key, tree) for _ in range(repeats) for key, tree in trees.items()]
+    for key, tree in tqdm(rounds, desc="tree='auto': timing the decode loop", unit="run", leave=False,
+                          file=sys.stderr):
+        drafter = make_drafter("heads", model, heads, tree=tree)
+        _, s = speculative_decode(model, drafter, ids, 48, accept_greedy, greedy_root, eos, attention=attention)
+        samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
@@ -108,7 +116,11 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
     machine = machine_fingerprint(model)
     path = cache_path(calibration_key(model, heads, machine), cache_root)
     if path.is_file() and not refresh:
-        return Tree(json.loads(path.read_text())["tree"])
+        record = json.loads(path.read_text())
+        tree = Tree(record["tree"])
+        _say(f"read from cache {path}: " + describe_choice(record["table"], tree.num_nodes, record["table"][0]))
+        return tree
+    start = time.perf_counter()
     ranks = calibrate_ranks(model, heads, tokenizer)
     measured = measure_latency(model)
     latency = fit_latency(measured)
@@ -118,6 +130,8 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
     write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
                          "measured_latency": measured, "overhead": overhead, "positions": ranks.shape[0],
                          "table": table})
+    _say(describe_choice(table, tree.num_nodes, table[0])
+         + f" (calibrated in {time.perf_counter() - start:.0f} s, cached in {path})")
     return tree
 
 
@@ -170,7 +184,12 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth, config.min_mass]})
     path = cache_path(key, cache_root)
     if path.is_file() and not refresh:
-        return DynamicTreeConfig(**json.loads(path.read_text())["dynamic_tree"])
+        record = json.loads(path.read_text())
+        chosen = DynamicTreeConfig(**record["dynamic_tree"])
+        _say(f"read from cache {path}: " + describe_choice(record["table"], chosen.nodes,
+                                                            _plain_row(record["latency"]["1"]), "dynamic tree"))
+        return chosen
+    start = time.perf_counter()
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
     measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
     latency = fit_latency(measured)
@@ -187,7 +206,39 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     write_record(path, {"dynamic_tree": dataclasses.asdict(chosen),
                          "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop,
                          "measured_overhead": measured_loop, "propose_seconds": propose_s, "table": table})
+    _say(describe_choice(table, chosen.nodes, _plain_row(latency[1]), "dynamic tree")
+         + f" (calibrated in {time.perf_counter() - start:.0f} s, cached in {path})")
     return chosen
+
+
+# ---- what tree="auto" says ------------------------------------------------------------------------------------------
+def describe_choice(table: list[dict], nodes: int, plain: dict, what: str = "tree") -> str:
+    """One line on the choice and why: the chosen size's expected tokens/s against ``plain``'s, the row of a 1-node
+    tree (no drafting: the backbone's next token only). A 1-node choice says drafting is off, with the best drafted
+    tree's numbers. ``table``: rows {nodes, expected_tau, step_seconds, tokens_per_s} of the sizes considered."""
+    baseline = f"{plain['tokens_per_s']:.1f} tok/s with 1 node ({plain['step_seconds'] * 1e3:.1f} ms a step)"
+    drafted = [row for row in table if row["nodes"] > 1]
+    if nodes == 1:
+        best = max(drafted, key=lambda row: row["tokens_per_s"], default=None)
+        why = (f"the best drafted tree ({best['nodes']} nodes) expects {best['tokens_per_s']:.1f} tok/s (tau "
+               f"{best['expected_tau']:.2f}, {best['step_seconds'] * 1e3:.1f} ms a step)" if best is not None else
+               "the heads' guesses were never right in calibration")
+        return (f"drafting disabled (1-node tree): no tree beat plain decoding on this machine's measured latency: "
+                f"{why} vs {baseline}")
+    row = next(row for row in table if row["nodes"] == nodes)
+    note = "; slower than plain decoding on this machine's measured latency" \
+        if row["tokens_per_s"] < plain["tokens_per_s"] else ""
+    return (f"chose a {what} of {nodes} nodes: {row['tokens_per_s']:.1f} tok/s expected (tau "
+            f"{row['expected_tau']:.2f}, {row['step_seconds'] * 1e3:.1f} ms a step) vs {baseline}{note}")
+
+
+def _plain_row(latency_1: float) -> dict:
+    """The table row of plain decoding: one backbone token per one-token forward."""
+    return {"nodes": 1, "expected_tau": 1.0, "step_seconds": latency_1, "tokens_per_s": 1.0 / latency_1}
+
+
+def _say(message: str) -> None:
+    print(f"tree='auto': {message}", file=sys.stderr)
 
 
 # ---- tree="auto": the calibration that fits the heads' kind ---------------------------------------------------------

@@ -105,8 +105,14 @@ class SpeculativeGenerator:
 
     # ---- inputs -----------------------------------------------------------------------------------------------
     def encode(self, prompt) -> torch.Tensor:
-        """input_ids [1, T] from a token tensor/list, a text, or chat messages (through the chat template)."""
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+        """input_ids [1, T] from a token tensor/list, a text, or chat messages (through the chat template).
+
+        One prompt per call: a list of texts or of chats is refused (batches are not supported yet), as are an empty
+        prompt, a chat message without content, and token ids outside the backbone's vocabulary."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(_is_text_or_chat(p) for p in prompt):
+            raise ValueError(f"batches are not supported yet: one prompt per call (got a list of {len(prompt)} "
+                             "prompts)")
+        if isinstance(prompt, str) or _is_chat(prompt):
             if self.tokenizer is None:
                 raise ValueError("a text or chat prompt needs a tokenizer: pass tokenizer= or token ids")
             if isinstance(prompt, str):
@@ -114,7 +120,8 @@ class SpeculativeGenerator:
                     raise ValueError("the prompt is empty")
                 ids = self.tokenizer(prompt, return_tensors="pt").input_ids
             else:
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True,
+                _check_messages(prompt)
+                ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
                                                          return_tensors="pt")["input_ids"]
         else:
             ids = torch.as_tensor(prompt, dtype=torch.long)
@@ -125,7 +132,13 @@ class SpeculativeGenerator:
         if ids.shape[0] != 1:
             raise ValueError(f"only batch size 1 is supported, got a batch of {ids.shape[0]}")
         if ids.shape[1] == 0:
-            raise ValueError("the prompt is empty (no tokens)")
+            raise ValueError("the prompt is empty (no tokens, or an empty list of messages)")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = ids[(ids < 0) | (ids >= vocab)].unique().tolist()
+        if bad:
+            shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise ValueError(f"token ids out of the vocabulary: {shown} (the backbone's vocabulary has {vocab} ids, "
+                             f"0..{vocab - 1})")
         return ids
 
     # ---- the loop ---------------------------------------------------------------------------------------------
@@ -186,3 +199,21 @@ class SpeculativeGenerator:
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
+
+
+def _is_chat(prompt) -> bool:
+    """Chat messages: a non-empty list of dicts ({"role": ..., "content": ...})."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def _is_text_or_chat(prompt) -> bool:
+    return isinstance(prompt, str) or _is_chat(prompt)
+
+
+def _check_messages(messages) -> None:
+    """ValueError for a chat message without text: a missing, empty or whitespace-only ``content``."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if content is None or not (content.strip() if isinstance(content, str) else content):
+            raise ValueError(f"chat message {i} ({message.get('role', 'no role')}) is empty: every message needs "
+                             "content with text")

@@ -6,6 +6,7 @@
 
 Writes OUT.json (config, machine, methods -> overall/categories), OUT.md (table), OUT.png (plot) and
 OUT.prompts.jsonl (one row per prompt and method, every prompt-lookup setting included: for paired comparisons).
+Bad input ends in one ``error: ...`` line and exit status 2; ``--debug`` (or ``TOKENMAXX_DEBUG=1``) shows the traceback.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from tokenmaxx.heads import BACKBONES, DEFAULT_BACKBONE, load_backbone, resolve_heads
-from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, SpeculativeGenerator
+from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
+from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator
 from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
                                            run_benchmark, summarize, tokenmaxx_method)
+from tokenmaxx.scripts.errors import run_script
 
 TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
 
@@ -64,6 +66,8 @@ class BenchArgs:
             raise ValueError(f"--limit must be positive, got {self.limit}")
         if not Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file (a Spec-Bench-style .jsonl of prompts)")
+        if self.draft not in DRAFT_MODES:
+            raise ValueError(f"unknown --draft {self.draft!r}: expected one of {', '.join(DRAFT_MODES)}")
 
 
 def split_methods(spec: str) -> list[str]:
@@ -138,8 +142,6 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.backbone not in BACKBONES and not Path(args.backbone).exists() and "/" not in args.backbone:
-        raise SystemExit(f"unknown backbone {args.backbone!r}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
@@ -172,4 +174,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

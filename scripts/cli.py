@@ -4,13 +4,16 @@
     tokenmaxx bench --prompts spec_bench_dev.jsonl --limit 5 --out runs/bench
     tokenmaxx generate --help
 
-Each command takes exactly the flags of its script (``python scripts/<script>.py`` runs the same code).
+Each command takes exactly the flags of its script (``python scripts/<script>.py`` runs the same code). Bad input ends
+in one ``error: ...`` line and status 2; ``--debug`` (or ``TOKENMAXX_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from tokenmaxx.scripts.errors import DEBUG_FLAG, run_script
 
 # command -> (module in tokenmaxx.scripts, one line of help). Scripts are imported only when their command runs.
 COMMANDS = {
@@ -33,21 +36,22 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["-h"], ["--help"]):
+    words = [a for a in argv if a != DEBUG_FLAG]  # --debug may come anywhere: run_script reads it from the flags
+    if words[:1] in (["-h"], ["--help"]):
         print(usage())
         return 0
-    if not argv or argv[0] not in COMMANDS:
-        what = f"unknown command {argv[0]!r}" if argv else "missing command"
+    if not words or words[0] not in COMMANDS:
+        what = f"unknown command {words[0]!r}" if words else "missing command"
         print(f"{PROG}: error: {what}; known commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    name, flags = argv[0], argv[1:]
+    name, flags = words[0], list(argv)
+    flags.remove(name)  # only --debug can come before the command; it stays in the flags for run_script
     script = importlib.import_module(f"tokenmaxx.scripts.{COMMANDS[name][0]}")
     saved, sys.argv = sys.argv, [f"{PROG} {name}", *flags]  # argparse names the program after argv[0]
     try:
-        code = script.main(flags)
+        return run_script(script.main, flags)  # bad input: one error line, status 2 (--debug: the traceback)
     finally:
         sys.argv = saved
-    return code if isinstance(code, int) else 0  # make_data's main returns its dataset and stats
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
     python scripts/draft_vocab.py --heads DIR --remove
 
 Drafting then projects onto those tokens plus each prompt's own tokens instead of the whole vocabulary (see
-tokenmaxx/inference/draft_vocab.py): much cheaper guesses, output unchanged. The held-out split is the trainer's
+tokenmaxx/heads/draft_vocab.py): much cheaper guesses, output unchanged. The held-out split is the trainer's
 (same --seq_len / --eval_fraction / --seed), and its token coverage is recorded in config.extra["draft_vocab"].
 """
 
@@ -16,6 +16,7 @@ import json
 import sys
 
 from tokenmaxx.heads import DraftHeads
+from tokenmaxx.scripts.errors import run_script
 
 
 def main(argv=None) -> int:
@@ -53,4 +54,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -6,6 +6,7 @@
     python scripts/generate.py --temperature 0.8 --seed 1      # samples (a temperature > 0 implies --do_sample)
 
 Defaults are the library's (tokenmaxx.inference.DEFAULT_DRAFT / DEFAULT_DTYPE, the shipped default heads).
+Bad input ends in one ``error: ...`` line and exit status 2; ``--debug`` (or ``TOKENMAXX_DEBUG=1``) shows the traceback.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser, TextStreamer
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, load_backbone, resolve_heads
-from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, SpeculativeGenerator, TypicalAcceptance
+from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, head_kind, load_backbone, resolve_heads
+from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator, TypicalAcceptance
+from tokenmaxx.scripts.errors import run_script
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint. Use simple words."
 
@@ -65,6 +67,12 @@ class GenerateArgs:
     repeats: int = field(default=1, metadata={"help": "with --compare: interleaved repeats, best time kept"})
 
     def __post_init__(self):
+        if self.kind is not None:
+            head_kind(self.kind)  # ValueError naming the known kinds
+        if self.draft not in DRAFT_MODES:
+            raise ValueError(f"unknown --draft {self.draft!r}: expected one of {', '.join(DRAFT_MODES)}")
+        if not (self.prompt if self.raw else self.prompt.strip()):
+            raise ValueError("--prompt is empty")
         if self.max_new_tokens <= 0:
             raise ValueError(f"--max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.threads <= 0 or self.repeats <= 0:
@@ -190,4 +198,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -14,6 +14,7 @@ import sys
 from transformers import HfArgumentParser
 
 from tokenmaxx.heads import load_backbone
+from tokenmaxx.scripts.errors import run_script
 from tokenmaxx.training.data import DataConfig, DataStats, make_data
 
 
@@ -33,4 +34,4 @@ def main(argv: list[str] | None = None, model=None, tokenizer=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_script(main))

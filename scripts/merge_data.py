@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tokenmaxx.scripts.errors import run_script
 from tokenmaxx.training.merge_data import merge_data
 
 
@@ -23,4 +24,4 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_script(main))

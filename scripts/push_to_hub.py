@@ -6,7 +6,9 @@ in one commit (the repo, and the branch given by --revision, are created if need
         [--bench runs/bench.json]
 
 The token comes from HF_TOKEN or the saved login (`hf auth login`); it is never printed. --card_only writes the card
-into the heads folder (README.md) without any network access, to read it before pushing.
+into the heads folder (README.md) without any network access, to read it before pushing; it does not replace a
+README.md there that differs (a card you edited, a benchmark section) unless --overwrite is given. Bad input ends in
+one `error:` line and exit status 2 (--debug: the traceback).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from tokenmaxx.heads.hub import HubAuthError, HubUnreachableError, push_to_hub, save_model_card
+from tokenmaxx.heads.card import save_model_card
+from tokenmaxx.heads.hub import push_to_hub
+from tokenmaxx.scripts.errors import run_script
 
 
 @dataclass
@@ -33,24 +37,23 @@ class PushArgs:
         "help": "license id for the card (default: the backbone's, when known)"})
     endpoint: str | None = field(default=None, metadata={"help": "Hub URL (default: HF_ENDPOINT or huggingface.co)"})
     card_only: bool = field(default=False, metadata={"help": "only write HEADS/README.md; push nothing"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "with --card_only: replace an existing HEADS/README.md that differs from the new card (its content "
+                "is lost)"})
 
 
 def main(argv=None) -> int:
     (args,) = HfArgumentParser(PushArgs).parse_args_into_dataclasses(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.card_only:
-        print(f"wrote {save_model_card(args.heads, args.repo_id, args.bench, args.license)}")
+        print(f"wrote {save_model_card(args.heads, args.repo_id, args.bench, args.license, overwrite=args.overwrite)}")
         return 0
-    try:
-        info = push_to_hub(args.heads, args.repo_id, private=args.private, revision=args.revision,
-                           commit_message=args.commit_message, bench=args.bench, license=args.license,
-                           endpoint=args.endpoint)
-    except (HubAuthError, HubUnreachableError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    info = push_to_hub(args.heads, args.repo_id, private=args.private, revision=args.revision,
+                       commit_message=args.commit_message, bench=args.bench, license=args.license,
+                       endpoint=args.endpoint)
     print(f"pushed {args.heads} to {args.repo_id} (revision {args.revision or 'main'}): {info.commit_url}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -25,6 +25,7 @@ import sys
 
 from transformers import HfArgumentParser
 
+from tokenmaxx.scripts.errors import run_script
 from tokenmaxx.training.train_config import TrainConfig
 from tokenmaxx.training.trainer import train
 
@@ -59,4 +60,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers import random_heads, tiny_model
+from tiny_tokenizer import tiny_tokenizer
 
 from tokenmaxx.heads import load_backbone
 from tokenmaxx.inference import SpeculativeGenerator, chain
@@ -38,6 +39,40 @@ def test_context_overflow(gen):
 def test_batch_larger_than_one(gen):
     with pytest.raises(ValueError, match="only batch size 1 is supported, got a batch of 2"):
         gen.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("prompts", [["a", "b"], ("one", "two", "three"), [[{"role": "user", "content": "a"}],
+                                                                        [{"role": "user", "content": "b"}]]])
+def test_a_list_of_prompts_is_refused_as_a_batch(gen, prompts):
+    gen.tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match=rf"batches are not supported yet: one prompt per call \(got a list of "
+                                         rf"{len(prompts)} prompts\)"):
+        gen.generate(prompts, max_new_tokens=4)
+    with pytest.raises(ValueError, match="only batch size 1 is supported, got a batch of 2"):  # token rows too
+        gen.generate([[3, 4], [5, 6]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("messages, index", [
+    ([{"role": "user", "content": ""}], 0),
+    ([{"role": "user", "content": " \n\t"}], 0),
+    ([{"role": "system", "content": "be brief."}, {"role": "user", "content": "  "}], 1),
+    ([{"role": "user"}], 0),
+])
+def test_empty_chat_message(gen, messages, index):
+    gen.tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match=rf"chat message {index} \({messages[index]['role']}\) is empty"):
+        gen.generate(messages, max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty"):  # no messages at all
+        gen.generate([], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("ids, bad", [([1, 2, 999999], "999999"), ([-1, 5], "-1"), (torch.tensor([[5, 96, 97]]),
+                                                                                      "96, 97")])
+def test_token_ids_outside_the_vocabulary(gen, ids, bad):
+    with pytest.raises(ValueError, match=rf"token ids out of the vocabulary: {bad} \(the backbone's vocabulary has "
+                                         r"96 ids, 0\.\.95\)"):
+        gen.generate(ids, max_new_tokens=4)
+    assert gen.generate([0, 95], max_new_tokens=2).sequences[0, :2].tolist() == [0, 95]  # both ends are in it
 
 
 def test_text_without_tokenizer(gen):

@@ -1,6 +1,7 @@
 """bench.py end to end on a tiny model; the tree optimizer on hand-made tables; calibration cache keys."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,41 @@ def test_auto_tree_calibrates_once_and_caches(tmp_path, monkeypatch):
     ids = torch.tensor([[5, 6, 7]])
     from helpers import greedy_reference
     assert gen.generate(ids, 10).sequences.tolist() == greedy_reference(model, ids, 10).tolist()
+
+
+def test_auto_tree_says_what_it_chose_and_why(tmp_path, monkeypatch, capsys):
+    """tree='auto' shows its progress on stderr and ends in one line on what it chose and why; when no tree beats
+    plain decoding (every extra node costs a second here) it says drafting is off, with the numbers; a cached choice
+    says which file it came from."""
+    from tokenmaxx.inference import autotune
+
+    model, tok = tiny_model("qwen2", seed=12), tiny_tokenizer()
+    model.generation_config.eos_token_id = None
+    heads = random_heads(model)
+    monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.",))
+
+    def said(prefix: str) -> list[str]:  # the lines tree='auto' printed (tqdm's \r-updates split off too)
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith(prefix)]
+
+    monkeypatch.setattr(autotune, "fit_latency", lambda measured: {n: 0.01 + 1.0 * (n > 1) for n in measured})
+    assert autotune.auto_tree(model, heads, tok, cache_root=tmp_path).num_nodes == 1
+    err = capsys.readouterr().err
+    assert "tree='auto': calibrating on prompts" in err and "tree='auto': timing the decode loop" in err
+    [line] = [line for line in err.splitlines() if line.startswith("tree='auto': drafting")]
+    assert re.fullmatch(r"tree='auto': drafting disabled \(1-node tree\): no tree beat plain decoding on this "
+                        r"machine's measured latency: the best drafted tree \(\d+ nodes\) expects [\d.]+ tok/s "
+                        r"\(tau [\d.]+, [\d.]+ ms a step\) vs [\d.]+ tok/s with 1 node \([\d.]+ ms a step\) "
+                        r"\(calibrated in \d+ s, cached in .*\.json\)", line), line
+    [path] = tmp_path.glob("*.json")
+    monkeypatch.setattr(autotune, "calibrate_ranks", lambda *a, **k: pytest.fail("calibrated twice"))
+    assert autotune.auto_tree(model, heads, tok, cache_root=tmp_path).num_nodes == 1
+    assert said("tree='auto'") == [f"tree='auto': read from cache {path}: drafting disabled (1-node tree): "
+                                   + line.split("(1-node tree): ")[1].split(" (calibrated in")[0]]
+
+    monkeypatch.undo()  # extra nodes cost nothing: the largest tree wins
+    monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.",))
+    monkeypatch.setattr(autotune, "fit_latency", lambda measured: dict.fromkeys(measured, 0.01))
+    tree = autotune.auto_tree(model, heads, tok, cache_root=tmp_path, refresh=True)
+    [line] = said("tree='auto': chose")
+    assert tree.num_nodes > 1 and line.startswith(f"tree='auto': chose a tree of {tree.num_nodes} nodes: "), line
+    assert re.search(r"tok/s expected \(tau [\d.]+, [\d.]+ ms a step\) vs [\d.]+ tok/s with 1 node", line), line

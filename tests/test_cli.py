@@ -96,6 +96,21 @@ def test_bad_generate_flags_give_one_error_line(flags, message, capsys):
     assert len(errors) == 1 and re.search(message, errors[0]), errors
 
 
+@pytest.mark.parametrize("parse, flags, message", [
+    (generate.parse_args, ["--kind", "foo"], r"unknown head kind 'foo': known kinds are \['medusa', 'mtp'\]"),
+    (generate.parse_args, ["--draft", "foo"], "unknown --draft 'foo': expected one of heads, lookup, hybrid"),
+    (generate.parse_args, ["--prompt", " "], "--prompt is empty"),
+    (lambda flags: bench.parse_args(["--prompts", __file__, *flags]), ["--draft", "foo"], "unknown --draft 'foo'"),
+    (lambda flags: cli.main(["generate", *flags]), ["--kind", "foo"], "unknown head kind 'foo'"),
+])
+def test_unknown_kind_draft_or_empty_prompt_give_one_error_line(parse, flags, message, capsys):
+    """Refused while parsing, before any backbone is loaded."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(flags)
+    errors = error_lines(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and len(errors) == 1 and re.search(message, errors[0]), errors
+
+
 def test_typical_with_sampling_is_accepted():
     assert generate.parse_args(["--typical", "--temperature", "0.7"]).generate_kwargs()["typical"] is not None
 
@@ -125,6 +140,46 @@ def test_generate_samples_differently_per_seed(tiny_folders, heads, capsys):
     first, again, other = (new_tokens("--temperature", "1.5", "--seed", s) for s in ("1", "1", "2"))
     assert first == again and first != other
     assert new_tokens("--temperature", "0") == new_tokens() == new_tokens("--seed", "2")  # greedy: seeds change nothing
+
+
+def test_bad_values_end_in_one_error_line_and_status_2(tiny_folders, monkeypatch, capsys):
+    """A bad value found after parsing (a mistyped --heads, an unknown backbone alias, a bad --tree) ends in one
+    ``error:`` line on stderr and status 2, from the script and from the console command; --debug or TOKENMAXX_DEBUG=1
+    shows the traceback instead."""
+    backbone, heads = tiny_folders
+    common = ["--backbone", str(backbone), "--dtype", "float32", "--threads", "1", "--max_new_tokens", "4"]
+    for command, message in [
+        ([sys.executable, REPO / "scripts" / "generate.py", "--backbone", "gpt-9"], "unknown backbone 'gpt-9'"),
+        ([CONSOLE, "generate", *common, "--heads", "nope"], "'nope'"),
+    ]:
+        out = run(*command)  # stderr may also hold transformers' weight-loading progress bar
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+        assert len(errors) == 1 and message in errors[0] and out.stderr.endswith(errors[0] + "\n"), out.stderr
+    debug = run(CONSOLE, "generate", *common, "--heads", "nope", "--debug")
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+
+    assert cli.main(["generate", *common, "--heads", str(heads), "--tree", "bogus"]) == 2  # in-process: the same path
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "bogus" in errors[0], errors
+    monkeypatch.setenv("TOKENMAXX_DEBUG", "1")
+    with pytest.raises(ValueError, match="bogus"):
+        cli.main(["generate", *common, "--heads", str(heads), "--tree", "bogus"])
+
+
+@pytest.mark.parametrize("err", [OSError("We couldn't connect to the Hub.\nCheck your connection."),
+                                 ValueError("bad\n  value")])
+def test_run_script_ends_any_user_error_in_one_line(err, capsys):
+    """transformers' OSError for an unreachable backbone id included; a multi-line message is joined."""
+    from tokenmaxx.scripts.errors import run_script
+
+    def main(argv):
+        raise err
+
+    assert run_script(main, []) == 2
+    assert capsys.readouterr().err == f"error: {' '.join(str(err).split())}\n"
+    with pytest.raises(type(err)):
+        run_script(main, ["--debug"])
 
 
 # ---- bench.py ------------------------------------------------------------------------------------------------------

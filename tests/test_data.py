@@ -304,3 +304,12 @@ def test_script_excludes_only_the_named_benchmark(tmp_path, backbone, capsys):
     dataset, stats = script.main(["--output_dir", str(tmp_path / "b"), *common], *backbone)
     assert sorted(dataset["prompt"]) == ["hello", "what is 2+2?"] and stats.excluded == 0
     assert "nothing to --exclude" in capsys.readouterr().err
+
+
+def test_script_bad_input_is_one_error_line(tmp_path):
+    command = [sys.executable, str(REPO / "scripts" / "make_data.py"), "--output_dir", str(tmp_path / "out"),
+               "--min_prompt_tokens", "600"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("error: DataConfig"), out.stderr
+    assert "min_prompt_tokens=600 is above max_prompt_tokens=512" in out.stderr

@@ -321,8 +321,17 @@ def test_malformed_repo_id_fails_before_any_request(hub, backbones, repo_id):
     with pytest.raises(ValueError, match=re.escape(f"malformed Hub repo id {repo_id!r}: expected 'org/name'")):
         heads.push_to_hub(repo_id, token=TOKEN, endpoint=hub.url)
     assert len(hub.log) == requests
-    with pytest.raises(FileNotFoundError, match="no such local folder, and not a valid Hub repo id"):
+    with pytest.raises(FileNotFoundError, match="no such heads folder .*not a Hub repo id of the form 'org/name'"):
         DraftHeads.from_pretrained(repo_id or "a/b/c", endpoint=hub.read_url)
+
+
+def test_a_repo_missing_on_the_hub_says_what_was_tried_locally(hub, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        DraftHeads.from_pretrained("org/never-pushed", endpoint=hub.read_url, cache_dir=str(tmp_path / "cache"))
+    message = str(err.value)
+    assert f"no such heads folder {tmp_path.resolve() / 'org' / 'never-pushed'}" in message
+    assert f"no repo 'org/never-pushed' (revision main) on the Hub at {hub.read_url}" in message
 
 
 def test_token_is_never_printed_or_logged(hub, backbones, tmp_path, capsys, caplog, monkeypatch):

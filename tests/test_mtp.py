@@ -276,10 +276,11 @@ def test_tree_kinds_must_match_head_kinds(model):
         SpeculativeGenerator(model, random_mtp(model), tree="dynamic:0", draft="heads")
 
 
-def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypatch):
+def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypatch, capsys):
     """tree='auto' with MTP heads: expected tau per node budget along the backbone's own continuation (an oracle
     that always drafts the truth gets tau = 1 + depth for every budget that holds a full chain), the budget with the
-    best tokens/s is chosen, cached per machine, and read back without calibrating again."""
+    best tokens/s is chosen (shown on stderr with its numbers against a 1-node tree's), cached per machine, and read
+    back without calibrating again (saying from which file)."""
     from tiny_tokenizer import tiny_tokenizer
 
     from tokenmaxx.inference import autotune
@@ -304,6 +305,15 @@ def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypat
     overhead = [record["overhead"][str(n)] for n in autotune.DYNAMIC_BUDGETS]  # fitted: never decreasing
     assert overhead == sorted(overhead) and all(a >= b for a, b in zip(overhead, [
         record["measured_overhead"][str(n)] for n in autotune.DYNAMIC_BUDGETS]))
+    err = capsys.readouterr().err
+    assert "tree='auto': calibrating on prompts" in err and "tree='auto': timing the decode loop" in err
+    [line] = [line for line in err.splitlines() if line.startswith("tree='auto': chose")]
+    row = next(row for row in record["table"] if row["nodes"] == chosen.nodes)
+    assert line.startswith(f"tree='auto': chose a dynamic tree of {chosen.nodes} nodes: "
+                           f"{row['tokens_per_s']:.1f} tok/s expected (tau {row['expected_tau']:.2f}, "), line
+    assert f" vs {1 / record['latency']['1']:.1f} tok/s with 1 node (" in line and f"cached in {files[0]})" in line
     monkeypatch.setattr(autotune, "calibrate_dynamic", lambda *a, **k: pytest.fail("calibrated twice"))
     gen = SpeculativeGenerator.create(model, oracle, tokenizer=tok, tree="auto", draft="heads")
     assert gen.tree_settings == chosen
+    choice = line.removeprefix("tree='auto': ").split(" (calibrated in")[0]
+    assert capsys.readouterr().err.splitlines() == [f"tree='auto': read from cache {files[0]}: {choice}"]

@@ -25,7 +25,7 @@ from tokenmaxx.training.checkpoints import CheckpointMismatchError, check_identi
 from tokenmaxx.training.ds_setup import DeepSpeedConfigError, resolve_ds_config
 from tokenmaxx.training.features import BackboneFeatures, FeatureCache
 from tokenmaxx.training.losses import HeadsObjective, head_weights, shifted_targets, teacher_rows
-from tokenmaxx.training.metrics import RankCounts
+from tokenmaxx.training.metrics import MetricsLogger, RankCounts
 from tokenmaxx.training.train_config import TrainConfig
 from tokenmaxx.training.trainer import train
 
@@ -350,6 +350,44 @@ def test_resume_from_a_checkpoint_without_time_records_says_so(tmp_path, backbon
     assert extra["processes"] == 1 and "later processes only" in extra["time_note"]
 
 
+def _logged_steps(out: Path) -> list[tuple[str, int]]:
+    return [(r["split"], r["step"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_metrics_log_rewinds_to_the_step_a_run_starts_after(tmp_path):
+    records = [{"split": "train", "step": s} for s in (1, 2, 3)] + [{"split": "eval", "step": 3}]
+    records += [{"split": "train", "step": s} for s in (4, 5)]
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"split": "tr'  # the last line cut off by a kill
+
+    def rewound(**kwargs) -> list[tuple[str, int]]:
+        (tmp_path / "metrics.jsonl").write_text(text)
+        MetricsLogger(tmp_path, **kwargs).close()
+        return _logged_steps(tmp_path)
+
+    assert rewound(start_step=3) == [("train", 1), ("train", 2), ("train", 3), ("eval", 3)]
+    # resuming a finished run (step 3 its last) evaluates again: its final held-out record is dropped too
+    assert rewound(start_step=3, last_step=True) == [("train", 1), ("train", 2), ("train", 3)]
+    assert rewound(start_step=0) == []  # a fresh start where an earlier run never reached a checkpoint
+    assert not list(tmp_path.glob(".metrics.jsonl.tmp-*"))  # rewritten under a temp name, then renamed
+
+
+def test_resumed_run_logs_each_step_once(tmp_path, backbone_dir, data_dir):
+    """A process killed at step 5 logged steps 4 and 5 after its step-3 checkpoint; the resumed run redoes them and
+    logs them again, so it first drops them: metrics.jsonl reads as one run."""
+    model, _ = load_backbone(str(backbone_dir))
+    out = tmp_path / "run"
+    train(make_cfg(data_dir, out), model=model, stop_after=3)
+    log = out / "metrics.jsonl"
+    last = json.loads(log.read_text().splitlines()[-1])
+    with open(log, "a") as f:
+        f.writelines(json.dumps({**last, "step": step}) + "\n" for step in (4, 5))
+    train(make_cfg(data_dir, out, resume=True), model=model)
+    one_run = [("train", step) for step in range(1, 7)] + [("eval", 6)]
+    assert _logged_steps(out) == one_run
+    train(make_cfg(data_dir, out, resume=True), model=model)  # resuming the finished run: its final evaluation again
+    assert _logged_steps(out) == one_run
+
+
 def test_train_mtp_heads_resume_and_export(tmp_path, backbone_dir, data_dir):
     model, _ = load_backbone(str(backbone_dir))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -404,10 +442,56 @@ def _train_heads_main():
 def test_kind_flag_is_checked(data_dir):
     main = _train_heads_main()
     with pytest.raises(ValueError, match=r"--kind must be a registered head kind, one of \[.*'mtp'.*\]; got 'bogus'"):
-        main(["--data", str(data_dir), "--kind", "bogus"])
+        main(["--data", str(data_dir), "--output_dir", "unused", "--kind", "bogus"])
     with pytest.raises(ValueError, match="--kind mtp always projects with the backbone's frozen lm_head"):
-        main(["--data", str(data_dir), "--kind", "mtp", "--share_lm_head", "false"])
-    assert TrainConfig(data=str(data_dir), kind="mtp").kind == "mtp"
+        main(["--data", str(data_dir), "--output_dir", "unused", "--kind", "mtp", "--share_lm_head", "false"])
+    assert TrainConfig(data=str(data_dir), output_dir="unused", kind="mtp").kind == "mtp"
+
+
+def test_warmup_longer_than_the_run_is_refused(tmp_path, data_dir, capsys):
+    with pytest.raises(ValueError, match=r"--warmup 7 is more than --max_steps 6"):
+        make_cfg(data_dir, tmp_path, warmup=7)
+    assert make_cfg(data_dir, tmp_path, warmup=6).warmup == 6  # warming up over the whole run is allowed
+    # nobody asked for the default warm-up (20 steps), longer than one epoch here (36 examples, 4 steps): the run
+    # warms up over its first half instead, and says so
+    cfg, ds = resolve_ds_config(make_cfg(data_dir, tmp_path, warmup=None, max_steps=None), 1, 36)
+    assert (cfg.max_steps, cfg.warmup, ds["scheduler"]["params"]["warmup_num_steps"]) == (4, 2, 2)
+    assert "default warm-up of 20 steps is longer than this run's 4 steps" in capsys.readouterr().err
+
+
+def test_output_dir_is_required(tmp_path, data_dir, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match="output_dir"):
+        TrainConfig(data=str(data_dir))
+    with pytest.raises(ValueError, match="--output_dir is required"):
+        TrainConfig(data=str(data_dir), output_dir="")
+    with pytest.raises(SystemExit) as exit_:
+        _train_heads_main()(["--data", str(data_dir), "--max_steps", "1"])
+    assert exit_.value.code == 2 and "required: --output_dir" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written under the current folder
+
+
+def test_bad_input_ends_in_one_error_line(tmp_path, data_dir):
+    cmd = [sys.executable, str(REPO / "scripts" / "train_heads.py"), "--data", str(data_dir), "--output_dir",
+           str(tmp_path / "run"), "--max_steps", "6", "--warmup", "7"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1].startswith("error: --warmup 7 is more than --max_steps 6"), out.stderr
+
+
+def test_generation_does_not_import_deepspeed(backbone_dir):
+    """Only training imports DeepSpeed (whose import prints "Setting accelerator to CPU"): loading a backbone folder
+    and generating leave it out. (transformers' save_pretrained imports it through accelerate when it is installed.)"""
+    code = ("import sys, torch\n"
+            "from tokenmaxx.heads import MedusaHeads, load_backbone\n"
+            "from tokenmaxx.inference import SpeculativeGenerator\n"
+            f"model, _ = load_backbone({str(backbone_dir)!r})\n"
+            "gen = SpeculativeGenerator(model, MedusaHeads.for_backbone(model, num_heads=2), draft='heads')\n"
+            "gen.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]" and "Setting accelerator" not in out.stderr, out.stderr
 
 
 def test_checkpoint_of_another_backbone_is_refused(tmp_path):

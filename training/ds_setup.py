@@ -174,9 +174,16 @@ def resolve_ds_config(cfg: TrainConfig, world: int, num_train: int) -> tuple[Tra
         explicit["max_steps"] = math.ceil(cfg.epochs * steps_per_epoch(num_train, world, **first))
 
     resolved: dict[str, Any] = {}
-    for flag, path in FLAG_PATHS.items():
+    for flag, path in sorted(FLAG_PATHS.items(), key=lambda item: item[0] == "warmup"):  # warm-up after max_steps
         if flag == "max_steps" and explicit[flag] is None and _get(ds, path) in (None, AUTO):
             resolved[flag] = steps_per_epoch(num_train, world, resolved["micro_batch_size"], resolved["grad_accum"])
+        elif flag == "warmup" and explicit[flag] is None and _get(ds, path) in (None, AUTO) \
+                and DEFAULTS["warmup"] > resolved["max_steps"]:
+            # nobody asked for the default warm-up, and it is longer than this (short) run: warm up over its first
+            # half instead (a warm-up someone gave that is too long is refused by TrainConfig)
+            resolved[flag] = max(1, resolved["max_steps"] // 2)
+            print(f"note: the default warm-up of {DEFAULTS['warmup']} steps is longer than this run's "
+                  f"{resolved['max_steps']} steps: warming up over {resolved[flag]}", file=sys.stderr)
         else:
             label = f"--epochs {cfg.epochs} (= max_steps" if flag == "max_steps" and cfg.epochs is not None else None
             resolved[flag] = _pick(flag, explicit[flag], _get(ds, path), source, label)

@@ -19,6 +19,7 @@ import torch
 from tokenmaxx.heads.tree import Tree
 
 from .batches import SelfDistilledData, collate, eval_micro_batches
+from .checkpoints import atomic_write_text
 from .losses import logits_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -136,20 +137,39 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
 
 class MetricsLogger:
     """Appends one JSON object per line to OUTPUT_DIR/metrics.jsonl (rank 0 only); mirrors scalars to TensorBoard
-    when ``tensorboard`` is installed (optional dependency)."""
+    when ``tensorboard`` is installed (optional dependency).
 
-    def __init__(self, output_dir: str | Path, enabled: bool = True):
+    The file reads as one run: a run starting after step ``start_step`` (a resume: its checkpoint's step; a fresh
+    run: 0) first drops what an earlier process logged beyond that step, which this run logs again (``rewind``).
+    """
+
+    def __init__(self, output_dir: str | Path, enabled: bool = True, start_step: int = 0, last_step: bool = False):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.rewind(start_step, last_step)
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 log.info("tensorboard is not installed: metrics go to %s only", self.path)
-            else:
-                self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            else:  # purge_step hides the earlier process's events from that step on, as rewind does here
+                self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
+
+    def rewind(self, step: int, last_step: bool = False) -> int:
+        """Drop the records of steps after ``step`` and lines cut off by a kill (and, when ``last_step``: the run is
+        already at its final step, whose held-out record is written again, that record too); the file is rewritten
+        under a temp name, then renamed. Returns how many lines were dropped."""
+        if not self.path.is_file():
+            return 0
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if _keep(line, step, last_step)]
+        if len(kept) < len(lines):
+            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+            log.info("%s: dropped %d records after step %d (this run logs those steps again)", self.path,
+                     len(lines) - len(kept), step)
+        return len(lines) - len(kept)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -168,3 +188,12 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _keep(line: str, step: int, last_step: bool) -> bool:
+    try:
+        record = json.loads(line)
+        at = int(record["step"])
+    except (ValueError, TypeError, KeyError):  # a line cut off mid-write, or not a record
+        return False
+    return at < step or (at == step and not (last_step and record.get("split") == "eval"))

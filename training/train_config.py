@@ -31,9 +31,12 @@ def _ds_help(text: str, name: str) -> str:
 
 @dataclass
 class TrainConfig:
-    # ---- data ----------------------------------------------------------------------------------------------------
+    # ---- data in, run folder out (both required) ------------------------------------------------------------------
     data: str = field(metadata={"help": "self-distilled dataset folder (datasets.save_to_disk) with columns prompt, "
                                         "prompt_ids, answer_ids and a provenance.json in it (scripts/make_data.py)"})
+    output_dir: str = field(metadata={
+        "help": "run folder (required; nothing is written to a default place): checkpoints/, metrics.jsonl, "
+                "run_config.json, ds_config.resolved.json, and heads/ unless --export_dir says otherwise"})
     seq_len: int = field(default=512, metadata={
         "help": "max tokens per sequence (prompt + answer); longer answers are cut, prompts that leave no answer "
                 "token inside seq_len are dropped"})
@@ -97,8 +100,6 @@ class TrainConfig:
     zero_stage: int | None = field(default=None, metadata={"help": _ds_help("ZeRO stage 0, 1 or 2", "zero_stage")})
 
     # ---- run -----------------------------------------------------------------------------------------------------
-    output_dir: str = field(default="runs/heads", metadata={
-        "help": "run folder: checkpoints/, metrics.jsonl, run_config.json, ds_config.resolved.json"})
     export_dir: str | None = field(default=None, metadata={"help": "where the trained heads are exported "
                                                                     "(default: OUTPUT_DIR/heads)"})
     save_every: int = field(default=200, metadata={"help": "checkpoint every N optimizer steps (and at the end); 0 = "
@@ -114,6 +115,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.data:
             raise ValueError("--data is required: the self-distilled dataset folder")
+        if not self.output_dir:
+            raise ValueError("--output_dir is required: the run folder for checkpoints, metrics.jsonl and the heads")
         positive = {"seq_len": self.seq_len, "eval_max_examples": self.eval_max_examples, "num_heads": self.num_heads,
                     "log_every": self.log_every, "max_steps": self.max_steps, "warmup": self.warmup,
                     "grad_accum": self.grad_accum, "micro_batch_size": self.micro_batch_size, "lr": self.lr}
@@ -151,6 +154,12 @@ class TrainConfig:
                              f"got {self.zero_stage}")
         if self.max_steps is not None and self.epochs is not None:
             raise ValueError("give either --max_steps or --epochs, not both")
+        if self.warmup is not None and self.max_steps is not None and self.warmup > self.max_steps:
+            # both given, or both resolved by resolve_ds_config (flag, else --ds_config, else DEFAULTS)
+            raise ValueError(f"--warmup {self.warmup} is more than --max_steps {self.max_steps}: the learning rate "
+                             f"would still be warming up when training ends; give --warmup <= {self.max_steps} (an "
+                             f"unset --warmup is the --ds_config value, else {DEFAULTS['warmup']}; --epochs counts as "
+                             "its number of steps)")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"--epochs must be > 0, got {self.epochs!r}")
         if not Path(self.ds_config).is_file():

@@ -13,7 +13,8 @@
 7. engine        DeepSpeed over the heads' parameters only (the backbone's lm_head and input embedding are passed
                  per call): torch AdamW, warm-up + cosine, accumulation, clipping
 8. checkpoints   resume (``--resume``) from the newest checkpoint: weights, optimizer, scheduler, RNG
-9. loop          optimizer steps; metrics.jsonl; checkpoints every ``save_every`` steps; held-out metrics
+9. loop          optimizer steps; metrics.jsonl (each step once, across resumes); checkpoints every ``save_every``
+                 steps; held-out metrics
 10. export       fp32 master weights -> ``heads.save_pretrained(export_dir)`` with config.extra = provenance
 
 The data order is a function of (seed, epoch, step) and DeepSpeed restores weights, optimizer and scheduler, so a
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, backbone_identity, load_backbone
 from tokenmaxx.heads.tree import parse_tree
+from tokenmaxx.inference.calibration_store import cpu_name
 
 from . import checkpoints
 from .batches import SelfDistilledData, collate, load_data, step_micro_batches
@@ -240,7 +242,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
         # one step here makes the first optimizer step the warm-up's first (lr 0, as HF's linear warm-up does).
         engine.lr_scheduler.step()
 
-    logger = MetricsLogger(out, enabled=rank == 0)  # 9. loop
+    # 9. loop; metrics.jsonl drops what an earlier process logged after this run's starting step (logged again)
+    logger = MetricsLogger(out, enabled=rank == 0, start_step=step, last_step=step >= cfg.max_steps)
     per_epoch = steps_per_epoch(len(data.train), world, cfg.micro_batch_size, cfg.grad_accum)
     order = step_micro_batches(data.train, step, per_epoch, cfg.grad_accum, cfg.seed, rank, world,
                                cfg.micro_batch_size)
@@ -292,6 +295,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     result.wall_seconds = time.perf_counter() - wall_start
     total = progress()
     extra = {"training": cfg.to_dict(), "requested": requested, "deepspeed": ds, "world_size": world,
+             "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__},
              "data": {"path": str(cfg.data), "provenance": data.provenance, "fingerprint": data.fingerprint,
                       "rows": data.num_rows, "train_examples": len(data.train), "eval_examples": len(data.eval),
                       "dropped": data.dropped},
