@@ -54,7 +54,10 @@ AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 
 def shares_kv_heads(model) -> bool:
     """Whether SDPA may share the key/value heads of (layers built from) this model's config: on CPU, fewer key/value
-    heads than query heads, and keys and values of one head size of at most 256 (what SDPA's GQA asks)."""
+    heads than query heads, and keys and values of one head size of at most 256 (what SDPA's GQA asks).
+
+    Off the CPU never: on CUDA a mask with ``enable_gqa`` falls back to SDPA's math kernel, slower than copying heads.
+    """
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     if not heads or next(model.parameters()).device.type != "cpu":

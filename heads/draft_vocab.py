@@ -18,13 +18,15 @@ import torch
 
 @dataclass
 class DraftVocab:
-    ids: torch.Tensor  # [Vd] long, sorted token ids
+    ids: torch.Tensor  # [Vd] long, sorted token ids, on the lm_head's device
     weight: torch.Tensor  # [Vd, H] the lm_head rows of those ids
 
     @classmethod
     def for_prompt(cls, base: torch.Tensor, lm_head, prompt_ids: torch.Tensor) -> "DraftVocab":
-        """The heads' draft vocabulary ``base`` [Vd] joined with the prompt's tokens [T]."""
-        ids = torch.unique(torch.cat([base.to(torch.long), prompt_ids.flatten().to(torch.long)]))
+        """The heads' draft vocabulary ``base`` [Vd] joined with the prompt's tokens [T], on the lm_head's device."""
+        device = lm_head.weight.device
+        ids = torch.unique(torch.cat([base.to(device=device, dtype=torch.long),
+                                      prompt_ids.flatten().to(device=device, dtype=torch.long)]))
         return cls(ids=ids, weight=lm_head.weight.detach()[ids])
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:

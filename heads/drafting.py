@@ -22,7 +22,8 @@ SOURCE_NAMES = {HEADS: "heads", LOOKUP: "lookup", HEADS | LOOKUP: "both"}
 
 @dataclass
 class Draft:
-    """One round's draft tree."""
+    """One round's draft tree. Its tensors live on the backbone's device (the loop indexes them with the accepted
+    nodes, which come from the backbone's logits); the buffers are compiled on the CPU (``TreeBuffers.to``)."""
 
     tokens: torch.Tensor  # [N] long: node 0 is the root (the token the backbone already chose)
     buffers: TreeBuffers  # the tree compiled: mask, depths, retrieve indices
@@ -31,10 +32,10 @@ class Draft:
     heads_ran: bool = True  # False when a hybrid drafter let the heads sit this round out
 
     @classmethod
-    def root_only(cls, root: int) -> "Draft":
+    def root_only(cls, root: int, device: torch.device) -> "Draft":
         """No candidates: the round verifies the root alone (and yields the bonus token)."""
-        return cls(tokens=torch.tensor([root], dtype=torch.long), buffers=compile_buffers([0]),
-                   sources=torch.tensor([HEADS]), values=torch.ones(1))
+        return cls(tokens=torch.tensor([root], dtype=torch.long, device=device), buffers=compile_buffers([0]),
+                   sources=torch.tensor([HEADS], device=device), values=torch.ones(1, device=device))
 
     @property
     def num_nodes(self) -> int:

@@ -90,9 +90,9 @@ class DynamicTreeConfig:
 
 @dataclass
 class DraftTree:
-    tokens: torch.Tensor  # [N] long, node 0 = root
-    buffers: TreeBuffers
-    scores: torch.Tensor  # [N] cumulative draft log-prob (0 for the root)
+    tokens: torch.Tensor  # [N] long, node 0 = root; on the draft log-probs' device
+    buffers: TreeBuffers  # compiled on the CPU (``TreeBuffers.to``)
+    scores: torch.Tensor  # [N] cumulative draft log-prob (0 for the root); on the draft log-probs' device
 
 
 @dataclass
@@ -115,8 +115,9 @@ def expand_tree(root: int, root_logprobs: torch.Tensor,
     frontier's candidate indices and all candidates so far, and returns the frontier's children's log-probs
     [len(frontier), V]. ``token_ids`` [V]: the token id of each log-prob column when they cover a draft vocabulary
     (default: column = token id). A level whose frontier's probabilities sum below ``min_mass`` is not drafted.
-    Returns the tree, nodes ordered by depth, then score.
+    Returns the tree, nodes ordered by depth, then score, its tensors on ``root_logprobs``' device.
     """
+    device = root_logprobs.device
     ids = (lambda idx: token_ids[idx].tolist()) if token_ids is not None else (lambda idx: idx.tolist())
     top = root_logprobs.float().topk(min(topk, root_logprobs.numel()))
     cands = Candidates(tokens=ids(top.indices), scores=top.values.tolist(), parent=[-1] * top.indices.numel(),
@@ -135,7 +136,8 @@ def expand_tree(root: int, root_logprobs: torch.Tensor,
             break  # the draft itself expects too little of this level for what one more module pass costs
         logprobs = child_logprobs(frontier, cands).float()  # [F, V]
         top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
-        child_scores = (torch.tensor([scores[c] for c in frontier])[:, None] + top.values).tolist()  # [F, k]
+        child_scores = (torch.tensor([scores[c] for c in frontier], device=device)[:, None]
+                        + top.values).tolist()  # [F, k]
         first = len(scores)
         for row, c in enumerate(frontier):
             cands.tokens.extend(ids(top.indices[row]))
@@ -147,5 +149,6 @@ def expand_tree(root: int, root_logprobs: torch.Tensor,
     kept.sort(key=lambda c: (cands.level[c], -scores[c], c))  # parents before children
     node_of = {c: i + 1 for i, c in enumerate(kept)}
     parents = [0] + [node_of[cands.parent[c]] if cands.parent[c] >= 0 else 0 for c in kept]
-    return DraftTree(tokens=torch.tensor([root] + [cands.tokens[c] for c in kept], dtype=torch.long),
-                     buffers=compile_buffers(parents), scores=torch.tensor([0.0] + [scores[c] for c in kept]))
+    return DraftTree(tokens=torch.tensor([root] + [cands.tokens[c] for c in kept], dtype=torch.long, device=device),
+                     buffers=compile_buffers(parents),
+                     scores=torch.tensor([0.0] + [scores[c] for c in kept], device=device))

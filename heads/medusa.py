@@ -115,10 +115,11 @@ class MedusaHeads(DraftHeads):
 
 
 @functools.lru_cache(maxsize=64)
-def static_values(tree: Tree) -> torch.Tensor:
-    """Estimated acceptance probability of each node of a static tree (root first): the product of typical per-rank
-    head accuracies along its path (``tree.TYPICAL_RANK_ACCURACY``, what the default tree is grown from)."""
-    return torch.tensor([1.0] + [path_probability(TYPICAL_RANK_ACCURACY, path) for path in tree.paths])
+def static_values(tree: Tree, device: torch.device) -> torch.Tensor:
+    """Estimated acceptance probability [N] of each node of a static tree (root first) on ``device``: the product of
+    typical per-rank head accuracies along its path (``tree.TYPICAL_RANK_ACCURACY``, what the default tree is grown
+    from)."""
+    return torch.tensor([1.0] + [path_probability(TYPICAL_RANK_ACCURACY, path) for path in tree.paths], device=device)
 
 
 class MedusaDrafter:
@@ -132,6 +133,7 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, model, tree: Tree, draft_vocab: bool = True):
         self.heads, self.tree = heads, tree
         self.lm_head = model.get_output_embeddings()
+        self.device = self.lm_head.weight.device  # the backbone's: drafts live there
         self.use_vocab = bool(draft_vocab) and heads.draft_vocab is not None and heads.config.share_lm_head
         self.vocab: DraftVocab | None = None
         self.hidden: torch.Tensor | None = None  # [H] backbone state at the last accepted position
@@ -153,17 +155,17 @@ class MedusaDrafter:
         tree = self.tree.truncate(room)
         buffers = tree.buffers
         if buffers.num_nodes == 1:
-            return Draft.root_only(root)
+            return Draft.root_only(root, self.device)
         if self.vocab is not None:
             logits = self.vocab.logits(self.heads.head_states(self.hidden)[: buffers.depth])  # [D, Vd]
             topk = self.vocab.ids[logits.topk(min(buffers.topk, logits.shape[-1]), dim=-1).indices]  # [D, k]
         else:
             logits = self.heads.draft_logits(self.hidden, self.lm_head)[: buffers.depth]  # [D, V]
             topk = logits.topk(buffers.topk, dim=-1).indices  # [D, k]
-        flat = torch.cat([torch.tensor([root], dtype=torch.long), topk.flatten()])  # [1 + D*k]
-        tokens = flat[buffers.token_index]  # [N]
+        flat = torch.cat([torch.tensor([root], dtype=torch.long, device=self.device), topk.flatten()])  # [1 + D*k]
+        tokens = flat[buffers.to(self.device).token_index]  # [N]
         return Draft(tokens=tokens, buffers=buffers, sources=torch.full_like(tokens, HEADS),
-                     values=static_values(tree))
+                     values=static_values(tree, self.device))
 
     def observe(self, outcome: Outcome) -> None:
         self.hidden = outcome.hidden[-1]

@@ -230,6 +230,7 @@ class MTPDrafter:
         self.heads, self.config = heads, config
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+        self.device = self.lm_head.weight.device  # the backbone's and the heads': drafts and module cache live there
         self.use_vocab = bool(draft_vocab) and heads.draft_vocab is not None
         self.vocab: DraftVocab | None = None  # a DraftVocab, or None (all tokens)
         self.attention = shared_kv_kwargs(model)  # the module's layer is built from the backbone's config
@@ -252,10 +253,11 @@ class MTPDrafter:
 
     def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
-        """Module pass for n queries. visible [n, C+n] bool over (cache, queries). Returns states [n, H]."""
+        """Module pass for n queries. prev [n, H], tokens [n] and positions [n] on the device; visible [n, C+n] bool
+        over (cache, queries), built on the CPU. Returns states [n, H]."""
         dtype = self.heads.fuse.weight.dtype
-        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype)
-        mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
+        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+n]
+        mask[0, 0].masked_fill_(~visible.to(self.device), torch.finfo(dtype).min)
         return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache,
                                **self.attention)[0]
 
@@ -272,20 +274,21 @@ class MTPDrafter:
         first = max(0, prompt_len - 1 - self.heads.config.num_heads)
         self.cache = DynamicCache()
         self.next_position = first
-        nxt = torch.cat([input_ids[first + 1:], torch.tensor([prefill.root], dtype=torch.long)])
+        nxt = torch.cat([input_ids[first + 1:], torch.tensor([prefill.root], dtype=torch.long, device=self.device)])
         self.advance(hidden[first:], nxt)
 
     def observe(self, outcome: Outcome) -> None:
         """The module cache learns the accepted positions."""
-        self.advance(outcome.hidden, torch.tensor(outcome.tokens))
+        self.advance(outcome.hidden, torch.tensor(outcome.tokens, device=self.device))
 
     def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Add anchors: hidden [n, H] backbone states at the next n positions, next_tokens [n] the token after each."""
         n, cached = hidden.shape[0], self.cached
-        visible = torch.ones(n, cached + n, dtype=torch.bool)
-        visible[:, cached:] = torch.ones(n, n, dtype=torch.bool).tril()
-        positions = torch.arange(self.next_position, self.next_position + n)
-        states = self._run(hidden, torch.as_tensor(next_tokens, dtype=torch.long), positions, visible)
+        visible = torch.ones(n, cached + n, dtype=torch.bool, device="cpu")  # [n, C+n]
+        visible[:, cached:] = torch.ones(n, n, dtype=torch.bool, device="cpu").tril()
+        positions = torch.arange(self.next_position, self.next_position + n, device=self.device)  # [n]
+        states = self._run(hidden, torch.as_tensor(next_tokens, dtype=torch.long, device=self.device), positions,
+                           visible)
         self.next_position += n
         self.last_state = states[-1]
 
@@ -301,7 +304,7 @@ class MTPDrafter:
         """A dynamic tree below ``root`` at most ``room`` deep. Leaves the module cache as it found it."""
         depth = min(self.depth, room)
         if depth <= 0 or self.config.nodes <= 1:
-            return Draft.root_only(root)
+            return Draft.root_only(root, self.device)
         cached = self.cached
         anchor = self.next_position - 1  # the newest anchor's position: a depth-d node's query sits at anchor + d
         entry: dict[int, int] = {}  # expanded candidate -> its module cache entry (counted from ``cached``)
@@ -309,7 +312,7 @@ class MTPDrafter:
 
         def child_logprobs(frontier: list[int], cands: Candidates) -> torch.Tensor:
             entries, f = len(entry), len(frontier)
-            visible = torch.zeros(f, cached + entries + f, dtype=torch.bool)
+            visible = torch.zeros(f, cached + entries + f, dtype=torch.bool, device="cpu")  # [F, C+E+F]
             visible[:, :cached] = True  # accepted anchors (including this chain's depth-1 entry)
             for row, c in enumerate(frontier):
                 p = cands.parent[c]
@@ -319,8 +322,8 @@ class MTPDrafter:
                 visible[row, cached + entries + row] = True
             prev = torch.stack([output[cands.parent[c]] if cands.parent[c] >= 0 else self.last_state
                                 for c in frontier])  # [F, H]
-            toks = torch.tensor([cands.tokens[c] for c in frontier], dtype=torch.long)
-            positions = torch.tensor([anchor + cands.level[c] for c in frontier])
+            toks = torch.tensor([cands.tokens[c] for c in frontier], dtype=torch.long, device=self.device)  # [F]
+            positions = torch.tensor([anchor + cands.level[c] for c in frontier], device=self.device)  # [F]
             out = self._run(prev, toks, positions, visible)  # [F, H]
             for row, c in enumerate(frontier):
                 entry[c] = entries + row

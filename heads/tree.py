@@ -7,17 +7,25 @@ every prefix of a path must be in the tree too. Nodes are ordered by depth, then
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Iterable, Sequence
 
 import torch
 
 
+_TENSOR_FIELDS = ("depths", "parents", "attn_mask", "token_index", "retrieve")  # what ``TreeBuffers.to`` moves
+
+
 @dataclass(frozen=True)
 class TreeBuffers:
-    """Compiled tree. N nodes (root included), P leaf paths, D = depth, k = top-k taken from each head."""
+    """Compiled tree. N nodes (root included), P leaf paths, D = depth, k = top-k taken from each head.
+
+    Compiled on the CPU, where the drafters' Python-side logic reads them; ``to(device)`` is the copy that builds the
+    backbone's mask and position ids and indexes its outputs (made once per device, then kept with these buffers).
+    """
 
     depths: torch.Tensor  # [N] long: 0 for the root; also the position offset of each node
     parents: torch.Tensor  # [N] long: parent node index (the root is its own parent)
@@ -26,6 +34,19 @@ class TreeBuffers:
     retrieve: torch.Tensor  # [P, D+1] long: node indices along each root-to-leaf path, padded with -1
     topk: int  # candidates taken from each head (max rank + 1)
     children: tuple[tuple[int, ...], ...]  # per node: its children's node indices, best rank first
+    _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> ``to``'s copy
+
+    def to(self, device: torch.device | str) -> "TreeBuffers":
+        """These buffers with their tensors on ``device``: themselves where they already are, else a copy made on
+        the first call for that device and kept."""
+        device = torch.device(device)
+        if device == self.depths.device:
+            return self
+        copy = self._copies.get(device)
+        if copy is None:
+            copy = dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
+            self._copies[device] = copy
+        return copy
 
     @property
     def num_nodes(self) -> int:
@@ -103,7 +124,7 @@ def compile_buffers(parents: Sequence[int], token_index: Sequence[int] | None = 
     n = len(parents)
     depths = [0] * n
     children: list[list[int]] = [[] for _ in range(n)]
-    attn_mask = torch.eye(n, dtype=torch.bool)
+    attn_mask = torch.eye(n, dtype=torch.bool, device="cpu")
     for i in range(1, n):
         parent = parents[i]
         if not 0 <= parent < i:
@@ -112,15 +133,16 @@ def compile_buffers(parents: Sequence[int], token_index: Sequence[int] | None = 
         children[parent].append(i)
         attn_mask[i] |= attn_mask[parent]
     leaves = [i for i in range(n) if not children[i] and i > 0] or [0]
-    retrieve = torch.full((len(leaves), max(depths) + 1), -1, dtype=torch.long)
+    retrieve = torch.full((len(leaves), max(depths) + 1), -1, dtype=torch.long, device="cpu")
     for row, leaf in enumerate(leaves):
         node = leaf
         for d in range(depths[leaf], -1, -1):
             retrieve[row, d] = node
             node = parents[node]
-    return TreeBuffers(depths=torch.tensor(depths), parents=torch.tensor(list(parents)), attn_mask=attn_mask,
-                       token_index=torch.tensor(list(token_index) if token_index is not None else range(n)),
-                       retrieve=retrieve, topk=topk, children=tuple(map(tuple, children)))
+    return TreeBuffers(depths=torch.tensor(depths, device="cpu"), parents=torch.tensor(list(parents), device="cpu"),
+                       attn_mask=attn_mask, retrieve=retrieve, topk=topk, children=tuple(map(tuple, children)),
+                       token_index=torch.tensor(list(token_index) if token_index is not None else range(n),
+                                                device="cpu"))
 
 
 @lru_cache(maxsize=64)

@@ -36,6 +36,7 @@ from .decoding import accept_greedy
 from .drafting import make_drafter
 from .latency import LATENCY_SIZES, fit_latency, measure_latency
 from .loop import eos_ids, greedy_root, speculative_decode
+from .timing import clock
 from .tree_search import choose_tree, ordered_paths_from_ranks
 
 # Generic calibration prompts (never benchmark prompts): a mix of chat, code, math, rewriting and summarising.
@@ -53,10 +54,11 @@ CALIBRATION_PROMPTS = (
 
 def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int):
     """Per calibration prompt: its chat input_ids [1, P], the backbone's greedy continuation seq [T] (prompt
-    included) and the final-normed hidden states along it [T, H]."""
+    included) and the final-normed hidden states along it [T, H], all on the backbone's device."""
+    device = model.get_output_embeddings().weight.device
     for text in tqdm(prompts, desc="tree='auto': calibrating on prompts", unit="prompt", leave=False,
                      file=sys.stderr):
-        ids = _chat_ids(tokenizer, text)
+        ids = _chat_ids(tokenizer, text, device)
         seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False)  # [1, T]
         yield ids, seq[0], model(seq, output_hidden_states=True).hidden_states[-1][0]
@@ -84,7 +86,7 @@ def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] | None = Non
                 hit = (top[k - 1, t] == seq[target]).nonzero()
                 row.append(int(hit[0, 0]) if hit.numel() else max_rank)
             rows.append(row)
-    return torch.tensor(rows, dtype=torch.long)
+    return torch.tensor(rows, dtype=torch.long, device="cpu")  # Python-side: the tree search reads it
 
 
 def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
@@ -97,7 +99,7 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) ->
     drafted by the heads alone run interleaved, ``repeats`` rounds over all settings, the median per setting kept, so
     a shared machine's load drifting during calibration weighs on every setting alike instead of on whichever was
     measured then."""
-    ids = _chat_ids(tokenizer, CALIBRATION_PROMPTS[0])
+    ids = _chat_ids(tokenizer, CALIBRATION_PROMPTS[0], model.get_output_embeddings().weight.device)
     eos = eos_ids(model.generation_config)
     attention = shared_kv_kwargs(model)
     samples: dict = {key: [] for key in trees}
@@ -149,6 +151,7 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     them whose path equals the continuation. Returns ({budget: mean tau}, mean propose seconds).
     """
     drafter = heads.drafter(model, tree=dataclasses.replace(config, nodes=max(budgets)))
+    device = model.get_output_embeddings().weight.device
     totals = dict.fromkeys(budgets, 0.0)
     positions, propose_s = 0, 0.0
     for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens):
@@ -156,9 +159,9 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
         # the drafter guesses over the same vocabulary as in generation (the draft vocabulary + this prompt's tokens)
         drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))
         for t in range(start, seq.numel() - 1):  # root = seq[t]
-            t0 = time.perf_counter()
+            t0 = clock(device)
             tree = drafter.propose(int(seq[t]), seq.numel() - 1 - t)
-            propose_s += time.perf_counter() - t0
+            propose_s += clock(device) - t0
             depths, parents = tree.buffers.depths.tolist(), tree.buffers.parents.tolist()
             tokens, scores = tree.tokens.tolist(), tree.values.tolist()  # values: exp(cumulative draft log-prob)
             correct = [True] + [False] * (len(tokens) - 1)
@@ -169,7 +172,7 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
                 totals[n] += 1 + max((depths[i] for i in by_score[: n - 1] if correct[i]), default=0)
             positions += 1
             nxt = seq[t + 1: t + 2].tolist()  # the backbone's own next token: one accepted position
-            drafter.observe(Outcome(draft=tree, nodes=torch.zeros(1, dtype=torch.long), tokens=nxt,
+            drafter.observe(Outcome(draft=tree, nodes=torch.zeros(1, dtype=torch.long, device=device), tokens=nxt,
                                     hidden=hidden[t: t + 1], emitted=nxt))
     return {n: totals[n] / max(positions, 1) for n in budgets}, propose_s / max(positions, 1)
 
@@ -265,7 +268,7 @@ def resolve_auto(model, heads, tokenizer):
     return _calibrate(heads.tree_settings(heads.config), model, heads, tokenizer)
 
 
-def _chat_ids(tokenizer, text: str) -> torch.Tensor:
-    """input_ids [1, P] of one user message through the chat template."""
+def _chat_ids(tokenizer, text: str, device: torch.device) -> torch.Tensor:
+    """input_ids [1, P] on ``device`` of one user message through the chat template."""
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_dict=True, return_tensors="pt")["input_ids"]
+                                         return_dict=True, return_tensors="pt")["input_ids"].to(device)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import platform
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .timing import clock
 
 MT_BENCH_KINDS = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -107,25 +108,28 @@ def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int]
 
 def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], max_new_tokens: int,
                   warmup: int = 2, progress: bool = True) -> dict[str, MethodResult]:
-    """Interleaved per prompt, rotating the method order; ``baseline`` must be one of the methods."""
+    """Interleaved per prompt, rotating the method order; ``baseline`` must be one of the methods. Prompts go to the
+    backbone's device before the clock starts, and the clock waits for the device (``timing.clock``)."""
     from tqdm.auto import tqdm
 
     if "baseline" not in methods:
         raise ValueError("the methods must include 'baseline' (speedups are relative to it)")
     names = list(methods)
+    device = model.get_output_embeddings().weight.device
     with torch.inference_mode():
         for prompt in prompts[:warmup]:
             for name in names:
-                methods[name](prompt.input_ids, min(16, max_new_tokens))
+                methods[name](prompt.input_ids.to(device), min(16, max_new_tokens))
         results = {name: MethodResult() for name in names}
         bar = tqdm(prompts, desc="bench", disable=not progress)
         for i, prompt in enumerate(bar):
             order = names[i % len(names):] + names[: i % len(names)]
+            input_ids = prompt.input_ids.to(device)  # [1, T]
             for name in order:
                 with ForwardCounter(model) as counter:
-                    start = time.perf_counter()
-                    tokens, sources = methods[name](prompt.input_ids, max_new_tokens)
-                    seconds = time.perf_counter() - start
+                    start = clock(device)
+                    tokens, sources = methods[name](input_ids, max_new_tokens)
+                    seconds = clock(device) - start
                 results[name].runs[i] = Run(tokens, seconds, counter.count, sources)
     return results
 
@@ -180,13 +184,15 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
     return rows
 
 
-def machine_info(threads: int, dtype: str) -> dict:
+def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
+    """What ran the benchmark: host CPU, threads, versions, dtype, and the device the backbone ran on by name."""
     import transformers
 
-    from .calibration_store import cpu_name
+    from .calibration_store import cpu_name, device_name
 
     return {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "dtype": dtype, "platform": platform.platform()}
+            "python": platform.python_version(), "dtype": dtype, "platform": platform.platform(),
+            "device": device_name(device)}
 
 
 def markdown_table(report: dict) -> str:

@@ -2,7 +2,8 @@
 
 A record is a JSON file CACHE/calibration/KEY.json (``tokenmaxx.heads.cache_dir``), written under a temp name then
 renamed. Keys cover the backbone's identity, the heads' weights where they matter, the machine (CPU model, threads,
-torch, dtype) and ``CALIBRATION_VERSION``, so a table measured on one machine is never read on another.
+torch, dtype, and the device the backbone runs on by name: an H200's table is never read on a CPU, nor the reverse)
+and ``CALIBRATION_VERSION``, so a table measured on one machine is never read on another.
 """
 
 from __future__ import annotations
@@ -42,9 +43,19 @@ def cpu_name() -> str:
         return platform.processor()
 
 
+def device_name(device: torch.device) -> str:
+    """What runs the backbone: "cpu: " and the CPU model, or the accelerator's type and name ("cuda: NVIDIA H200")."""
+    if device.type == "cpu":
+        return f"cpu: {cpu_name()}"
+    return f"{device.type}: {getattr(torch, device.type).get_device_name(device)}"
+
+
 def machine_fingerprint(model) -> dict:
+    """The machine a calibration holds for: host CPU and threads (the loop's Python side runs there), torch, the
+    backbone's dtype, and the device it runs on (``device_name``)."""
+    weight = model.get_output_embeddings().weight
     return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "dtype": str(model.get_output_embeddings().weight.dtype)}
+            "dtype": str(weight.dtype), "device": device_name(weight.device)}
 
 
 def calibration_key(model, heads, machine: dict) -> str:

@@ -14,6 +14,10 @@ One round: a drafter's ``propose`` (``drafting.py``: tree tokens) -> ``verify`` 
 4D mask) -> ``accept_greedy`` (longest agreeing path + bonus; ``sampling.py`` for temperature > 0) -> ``commit`` (keep
 only the accepted path in the KV cache) -> the drafter's ``observe``. The loop is ``loop.speculative_decode``.
 
+Devices: the tree tokens, the backbone's outputs and the accepted nodes live on the backbone's device; the tree
+buffers are compiled on the CPU and each step takes their device copy (``TreeBuffers.to``) for what meets the
+backbone's tensors. Only small results come back to Python (``int``, ``tolist``).
+
 Letters: N tree nodes, P cached prefix length, K heads, V vocabulary, H hidden size, D tree depth.
 """
 
@@ -34,15 +38,17 @@ class Verified:
 
 @dataclass
 class Accepted:
-    nodes: torch.Tensor  # [m+1] long: tree node indices of the accepted path, root first
+    nodes: torch.Tensor  # [m+1] long: tree node indices of the accepted path, root first (on the logits' device)
     tokens: list[int]  # the m accepted candidates followed by the bonus token (what this round emits)
 
 
-def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask [1, 1, N, P+N]: the cached prefix is visible to all nodes; a node sees its ancestors and itself."""
+def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """Additive 4D mask [1, 1, N, P+N] of ``dtype`` on ``device``: the cached prefix is visible to all nodes; a node
+    sees its ancestors and itself."""
     n = buffers.num_nodes
-    bias = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype)
-    bias[0, 0, :, prefix_len:].masked_fill_(~buffers.attn_mask, torch.finfo(dtype).min)
+    bias = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=device)
+    bias[0, 0, :, prefix_len:].masked_fill_(~buffers.to(device).attn_mask, torch.finfo(dtype).min)
     return bias
 
 
@@ -50,14 +56,14 @@ def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len:
            attention: dict | None = None) -> Verified:
     """ONE backbone forward over all tree nodes through the public forward (4D mask, position_ids, Cache).
 
-    tokens: [N]; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N`` after it.
-    ``attention``: keywords for the attention function (``tokenmaxx.heads.attention.shared_kv_kwargs``).
+    tokens: [N] on the backbone's device; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N``
+    after it. ``attention``: keywords for the attention function (``tokenmaxx.heads.attention.shared_kv_kwargs``).
     """
-    dtype = model.get_output_embeddings().weight.dtype
+    weight = model.get_output_embeddings().weight
     out = model(
         input_ids=tokens[None],  # [1, N]
-        attention_mask=tree_attention_bias(buffers, prefix_len, dtype),  # [1, 1, N, P+N]
-        position_ids=(prefix_len + buffers.depths)[None],  # [1, N]
+        attention_mask=tree_attention_bias(buffers, prefix_len, weight.dtype, weight.device),  # [1, 1, N, P+N]
+        position_ids=(prefix_len + buffers.to(weight.device).depths)[None],  # [1, N]
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
@@ -69,12 +75,12 @@ def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len:
 def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Accepted:
     """Longest path whose every candidate equals the backbone's argmax at its parent, plus the bonus token.
 
-    tokens: [N] tree tokens; logits: [N, V] backbone logits at each node.
+    tokens: [N] tree tokens; logits: [N, V] backbone logits at each node (both on one device).
     """
     # [N]: the backbone's choice after each node (max(dim) = argmax with the same first-index ties, ~2.5x faster
     # than argmax over bf16 rows on CPU)
     predicted = logits.max(dim=-1).indices
-    retrieve = buffers.retrieve  # [P, D+1]
+    retrieve = buffers.to(logits.device).retrieve  # [P, D+1]
     safe = retrieve.clamp(min=0)
     correct = (tokens[safe[:, 1:]] == predicted[safe[:, :-1]]) & (retrieve[:, 1:] >= 0)  # [P, D]
     accepted_len = correct.long().cumprod(dim=1).sum(dim=1)  # [P]
@@ -90,7 +96,7 @@ def commit(cache, prefix_len: int, nodes: torch.Tensor) -> int:
     nodes: [m+1] accepted node indices (root first). Returns the new cache length P + m + 1.
     """
     keep = prefix_len + nodes.numel()
-    contiguous = bool((nodes == torch.arange(nodes.numel())).all())  # a chain prefix needs no gather
+    contiguous = bool((nodes == torch.arange(nodes.numel(), device=nodes.device)).all())  # a chain prefix: no gather
     for layer in cache.layers:
         if not contiguous:
             src = prefix_len + nodes

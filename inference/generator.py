@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_DTYPE", "GenerationOutput", "GenerationStats", "SpeculativeG
 
 @dataclass
 class GenerationOutput:
-    sequences: torch.Tensor  # [1, T_prompt + T_new] prompt followed by the new tokens (like model.generate)
+    sequences: torch.Tensor  # [1, T_prompt + T_new] prompt, then new tokens; on the backbone's device, as generate's
     new_tokens: list[int]
     stats: GenerationStats
     text: str | None = None  # decoded new tokens, when a tokenizer is known
@@ -60,7 +60,7 @@ class SpeculativeGenerator:
                              "SpeculativeGenerator.create(model, heads, tokenizer=..., tree='auto') or from_pretrained")
         if heads is not None:
             heads.check_backbone(model, strict_identity=strict_identity)
-            heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
+            heads = _on_backbone(heads, model)
         self.model, self.heads, self.tokenizer, self.draft = model, heads, tokenizer, draft
         self.lookup = lookup or LookupConfig()
         self.draft_vocab = draft_vocab
@@ -77,7 +77,7 @@ class SpeculativeGenerator:
             if heads is None:
                 raise ValueError("tree='auto' tunes the heads' trees: pass heads (or draft='lookup' without a tree)")
             heads.check_backbone(model, strict_identity=kwargs.get("strict_identity", True))
-            heads = heads.to(model.get_output_embeddings().weight.dtype).eval()
+            heads = _on_backbone(heads, model)
             tree = resolve_auto(model, heads, tokenizer)
         return cls(model, heads, tokenizer=tokenizer, tree=tree, **kwargs)
 
@@ -105,10 +105,12 @@ class SpeculativeGenerator:
 
     # ---- inputs -----------------------------------------------------------------------------------------------
     def encode(self, prompt) -> torch.Tensor:
-        """input_ids [1, T] from a token tensor/list, a text, or chat messages (through the chat template).
+        """input_ids [1, T] on the backbone's device from a token tensor/list, a text, or chat messages (through the
+        chat template).
 
         One prompt per call: a list of texts or of chats is refused (batches are not supported yet), as are an empty
         prompt, a chat message without content, and token ids outside the backbone's vocabulary."""
+        device = self.model.get_output_embeddings().weight.device
         if isinstance(prompt, (list, tuple)) and prompt and all(_is_text_or_chat(p) for p in prompt):
             raise ValueError(f"batches are not supported yet: one prompt per call (got a list of {len(prompt)} "
                              "prompts)")
@@ -124,7 +126,8 @@ class SpeculativeGenerator:
                 ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=True,
                                                          return_tensors="pt")["input_ids"]
         else:
-            ids = torch.as_tensor(prompt, dtype=torch.long)
+            ids = torch.as_tensor(prompt, dtype=torch.long, device=device)
+        ids = ids.to(device)  # the tokenizer's are on the CPU
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2:
@@ -174,10 +177,11 @@ class SpeculativeGenerator:
         config, max_new_tokens = self._resolve_config(
             generation_config, max_new_tokens,
             dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+        device = self.model.get_output_embeddings().weight.device  # where the backbone, heads and drafts run
         sampling = bool(config.do_sample) and config.temperature != 0
         if sampling:
             warpers = build_warpers(config)
-            rng = make_generator(seed, generator)
+            rng = make_generator(seed, generator, device)
             if typical is not None:
                 accept = functools.partial(accept_typical, warpers=warpers, generator=rng, rule=typical)
             else:
@@ -186,7 +190,7 @@ class SpeculativeGenerator:
             raise ValueError("typical acceptance is a sampling rule: pass do_sample=True with a temperature > 0")
         else:
             accept = accept_greedy
-        input_ids = self.encode(prompt)
+        input_ids = self.encode(prompt)  # [1, P] on the device: so are the sequences, as from model.generate
         prompt_len = input_ids.shape[1]
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context is not None and prompt_len + max_new_tokens > context:
@@ -196,9 +200,15 @@ class SpeculativeGenerator:
         new_tokens, stats = speculative_decode(self.model, self.make_drafter(), input_ids, max_new_tokens, accept,
                                                choose_root, eos_ids(config), streamer=streamer,
                                                attention=self.attention)
-        sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long)], dim=1)
+        sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
+
+
+def _on_backbone(heads: DraftHeads, model) -> DraftHeads:
+    """The heads in eval mode on the backbone's device and in its dtype (the lm_head's)."""
+    weight = model.get_output_embeddings().weight
+    return heads.to(device=weight.device, dtype=weight.dtype).eval()
 
 
 def _is_chat(prompt) -> bool:

@@ -158,25 +158,27 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     node also proposed by the heads is worth the larger. Values never grow along a path, so the kept set (best first,
     shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify forward per node
     count, measured on this machine) the budget itself is chosen per step: the n <= budget that maximises
-    (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second.
+    (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second. The tensors returned are on the
+    device of ``tokens`` and ``values``.
     """
     if len(p_lookup) < len(branches):
         raise ValueError(f"{len(branches)} lookup branches but {len(p_lookup)} reliabilities")
     merged, merged_buffers, sources, paths = merge_branches(tokens, buffers, branches)
-    n_heads = tokens.numel()
+    device, n_heads = tokens.device, tokens.numel()
     depths = merged_buffers.depths.float()
-    own = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads)])  # the heads' values, unscaled
+    own = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads, device=device)])  # heads' values, unscaled
     worth = (own * heads_scale).clamp(max=1.0)
-    lookup_worth = torch.zeros(merged.numel())  # per node: the best value of the branches through it
+    lookup_worth = torch.zeros(merged.numel(), device=device)  # per node: the best value of the branches through it
     for path, p in zip(paths, p_lookup):
         if path:
-            index = torch.tensor(path)
+            index = torch.tensor(path, device=device)
             if isinstance(p, (int, float)):
-                branch_values = torch.tensor(float(p)) ** torch.arange(1, len(path) + 1, dtype=torch.float)
+                depth = torch.arange(1, len(path) + 1, dtype=torch.float, device=device)  # [len(path)]
+                branch_values = torch.tensor(float(p), device=device) ** depth
             else:
                 if len(p) < len(path):
                     raise ValueError(f"a lookup branch of {len(path)} tokens has only {len(p)} values")
-                branch_values = torch.tensor([float(v) for v in p[:len(path)]])
+                branch_values = torch.tensor([float(v) for v in p[:len(path)]], device=device)
             lookup_worth[index] = torch.maximum(lookup_worth[index], branch_values)
     worth = torch.maximum(worth, lookup_worth)
     values = worth.clone()
@@ -202,7 +204,7 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
                 break
             kept.append(new_index[node])
         kept_paths.append(kept)
-    keep_t = torch.tensor(keep)
+    keep_t = torch.tensor(keep, device=device)
     return SharedTree(merged[keep_t], out_buffers, sources[keep_t], own[keep_t], kept_paths, values[keep_t])
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +20,7 @@ from transformers import DynamicCache
 from tokenmaxx.heads import backbone_identity
 
 from .calibration_store import CALIBRATION_VERSION, cache_path, machine_fingerprint, write_record
+from .timing import clock
 
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 
@@ -43,23 +43,27 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
                     statistic: str = "min") -> dict[int, float]:
     """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len``: per size, the ``statistic``
     ("min" or "median") over ``repeats`` rounds that each go through every size (a slow spell of a shared machine then
-    hits all sizes alike). Raw and still noisy: ``fit_latency`` turns it into the table the search uses."""
+    hits all sizes alike). Raw and still noisy: ``fit_latency`` turns it into the table the search uses. Token ids
+    are drawn on the CPU (the same on every device) and moved to the backbone's device before the clock starts;
+    the clock waits for the device (``timing.clock``)."""
     if statistic not in ("min", "median"):
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
-    vocab = model.get_output_embeddings().weight.shape[0]
+    weight = model.get_output_embeddings().weight
+    vocab, device = weight.shape[0], weight.device
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None:  # stay inside the backbone's context
         prefix_len = max(1, min(prefix_len, context - max(sizes)))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen), past_key_values=cache, use_cache=True)
+    prompt = torch.randint(vocab, (1, prefix_len), generator=gen, device="cpu").to(device)  # [1, P]
+    model(input_ids=prompt, past_key_values=cache, use_cache=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
         for n in sizes:
-            ids = torch.randint(vocab, (1, n), generator=gen)
-            start = time.perf_counter()
+            ids = torch.randint(vocab, (1, n), generator=gen, device="cpu").to(device)  # [1, n]
+            start = clock(device)
             model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-            times[n].append(time.perf_counter() - start)
+            times[n].append(clock(device) - start)
             cache.crop(-n)
     pick = min if statistic == "min" else statistics.median
     return {n: pick(ts) for n, ts in times.items()}

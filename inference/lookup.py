@@ -113,7 +113,7 @@ def merge_branches(tokens: torch.Tensor, buffers: TreeBuffers, branches: list[li
     an earlier branch).
 
     tokens: [N] tree tokens (node 0 = root). Returns (tokens [N'], buffers, sources [N'] of HEADS/LOOKUP bits, the
-    node indices along each branch).
+    node indices along each branch); the tensors on the device of ``tokens``.
     """
     parents = buffers.parents.tolist()
     toks = tokens.tolist()
@@ -139,7 +139,8 @@ def merge_branches(tokens: torch.Tensor, buffers: TreeBuffers, branches: list[li
         out_buffers = buffers
     else:
         out_buffers = compile_buffers(parents)
-    return torch.tensor(toks), out_buffers, torch.tensor(sources), paths
+    device = tokens.device
+    return torch.tensor(toks, device=device), out_buffers, torch.tensor(sources, device=device), paths
 
 
 def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) -> tuple[torch.Tensor, TreeBuffers,
@@ -159,6 +160,7 @@ class LookupDrafter:
         self.index = NgramIndex(self.config.max_ngram)
         self.length = self.config.start_len
         self._branch = 0  # tokens of this round's branch
+        self.device: torch.device | None = None  # where drafts live: the prompt's (the backbone's), from ``start``
 
     def describe(self) -> str:
         return "prompt lookup"
@@ -167,15 +169,17 @@ class LookupDrafter:
         self.index = NgramIndex(self.config.max_ngram)
         self.index.extend(prefill.input_ids.tolist() + [prefill.root])
         self.length = self.config.start_len
+        self.device = prefill.input_ids.device
 
     def propose(self, root: int, room: int) -> Draft:
         branch = self.index.continuation(min(self.length, room), self.min_ngram)
         self._branch = len(branch)
-        draft = Draft.root_only(root)
+        draft = Draft.root_only(root, self.device)
         if not branch:
             return draft
         tokens, buffers, sources = merge_branch(draft.tokens, draft.buffers, branch)  # [N'], [N']
-        return Draft(tokens=tokens, buffers=buffers, sources=sources, values=torch.ones(tokens.numel()))
+        values = torch.ones(tokens.numel(), device=self.device)  # [N']
+        return Draft(tokens=tokens, buffers=buffers, sources=sources, values=values)
 
     def observe(self, outcome: Outcome) -> None:
         if self._branch:  # a round without a branch says nothing about the branch length

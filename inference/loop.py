@@ -11,7 +11,6 @@ Letters: P prompt tokens, N tree nodes, V vocabulary, H hidden size.
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +20,7 @@ from transformers import DynamicCache
 from tokenmaxx.heads.drafting import SOURCE_NAMES, Outcome, Prefill
 
 from .decoding import Accepted, commit, verify
+from .timing import clock
 
 PHASES = ("propose", "verify", "accept", "commit")
 
@@ -90,39 +90,42 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
                        attention: dict | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to ``max_new_tokens`` after ``input_ids`` [1, P] (stopping after an EOS id); returns the new
     tokens and the statistics. ``choose_root`` picks the first token from the prefill's last logits [V];
-    ``attention``: forward keywords for the tree verify (``heads.attention.shared_kv_kwargs``)."""
+    ``attention``: forward keywords for the tree verify (``heads.attention.shared_kv_kwargs``). Runs on the backbone's
+    device (``input_ids`` is moved there); every time in the statistics waits for it first (``timing.clock``)."""
+    device = model.get_output_embeddings().weight.device
     stats = GenerationStats()
-    if streamer is not None:
-        streamer.put(input_ids)
-    start = time.perf_counter()
+    if streamer is not None:  # a streamer gets CPU tensors, as from model.generate
+        streamer.put(input_ids.cpu())
+    input_ids = input_ids.to(device)
+    start = clock(device)
     cache, prefill = _prefill(model, input_ids, choose_root)
     drafter.start(prefill)
     root, prefix_len, new_tokens = prefill.root, input_ids.shape[1], [prefill.root]
-    stats.prefill_seconds = time.perf_counter() - start
+    stats.prefill_seconds = clock(device) - start
     if streamer is not None:
-        streamer.put(torch.tensor([root]))
+        streamer.put(torch.tensor([root], device="cpu"))
 
-    start = time.perf_counter()
+    start = clock(device)
     while root not in eos and len(new_tokens) < max_new_tokens:
-        t0 = time.perf_counter()
+        t0 = clock(device)
         room = max_new_tokens - len(new_tokens) - 1  # a round emits at most depth + 1 tokens: no overshooting nodes
         draft = drafter.propose(root, room)
-        t1 = time.perf_counter()
+        t1 = clock(device)
         verified = verify(model, cache, draft.tokens, draft.buffers, prefix_len, attention)
-        t2 = time.perf_counter()
+        t2 = clock(device)
         accepted = accept(draft.tokens, verified.logits, draft.buffers)
-        t3 = time.perf_counter()
+        t3 = clock(device)
         prefix_len = commit(cache, prefix_len, accepted.nodes)
         emitted = _emitted(accepted.tokens, max_new_tokens - len(new_tokens), eos)
         outcome = Outcome(draft=draft, nodes=accepted.nodes, tokens=accepted.tokens,
                           hidden=verified.hidden[accepted.nodes], emitted=emitted)
         drafter.observe(outcome)
-        stats.record(outcome, [t0, t1, t2, t3, time.perf_counter()])
+        stats.record(outcome, [t0, t1, t2, t3, clock(device)])
         new_tokens.extend(emitted)
         root = emitted[-1]
         if streamer is not None:
-            streamer.put(torch.tensor(emitted))
-    stats.decode_seconds = time.perf_counter() - start
+            streamer.put(torch.tensor(emitted, device="cpu"))
+    stats.decode_seconds = clock(device) - start
     stats.new_tokens = len(new_tokens)
     if streamer is not None:
         streamer.end()
@@ -157,4 +160,4 @@ def _last_logits_only(model, prompt_len: int) -> dict:
     """
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return {}
-    return {"logits_to_keep": torch.tensor([prompt_len - 1])}
+    return {"logits_to_keep": torch.tensor([prompt_len - 1], device=model.get_output_embeddings().weight.device)}

@@ -86,11 +86,12 @@ def target_probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Te
 
 
 def _uniform(generator: torch.Generator) -> float:
-    return float(torch.rand((), generator=generator))
+    """One draw from U[0, 1), made on the generator's device."""
+    return float(torch.rand((), generator=generator, device=generator.device))
 
 
 def sample(p: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from p [V]."""
+    """One token from p [V] (the generator on p's device)."""
     return int(torch.multinomial(p, 1, generator=generator))
 
 
@@ -115,7 +116,7 @@ def accept_sampling(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuf
         else:
             bonus = sample(p, generator)
             break
-    nodes = torch.tensor(path, dtype=torch.long)
+    nodes = torch.tensor(path, dtype=torch.long, device=logits.device)  # [m+1]
     return Accepted(nodes=nodes, tokens=tokens[nodes[1:]].tolist() + [bonus])
 
 
@@ -126,7 +127,7 @@ def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuff
     entropy = -(p * p.clamp_min(1e-12).log()).sum(dim=-1)  # [N]
     threshold = torch.minimum(torch.full_like(entropy, rule.posterior_threshold),
                               rule.posterior_alpha * torch.exp(-entropy))  # [N]
-    retrieve = buffers.retrieve  # [P, D+1]
+    retrieve = buffers.to(p.device).retrieve  # [P, D+1]
     safe = retrieve.clamp(min=0)
     parents, children = safe[:, :-1], safe[:, 1:]
     prob = p[parents, tokens[children]]  # [P, D]: p at the parent of each candidate
@@ -137,12 +138,18 @@ def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuff
     return Accepted(nodes=nodes, tokens=tokens[nodes[1:]].tolist() + [sample(p[nodes[-1]], generator)])
 
 
-def make_generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator:
+def make_generator(seed: int | None, generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """The random source of a sampling generation on ``device`` (the backbone's, where the probabilities are): the
+    caller's ``generator`` (which must be on that device), or a new one seeded with ``seed`` (None: a random seed
+    from torch's global generator)."""
     if generator is not None and seed is not None:
         raise ValueError("pass either seed= or generator=, not both")
     if generator is not None:
+        if generator.device != device:
+            raise ValueError(f"generator= is on {generator.device} but the backbone is on {device}: make it with "
+                             f"torch.Generator(device={str(device)!r})")
         return generator
-    gen = torch.Generator()
-    gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, (), device="cpu")))
     return gen
 

@@ -157,7 +157,8 @@ def main(argv=None) -> int:
         notes["prompt_lookup"] = {"best": best, "overall_by_setting": {k: v["overall"] for k, v in lookups.items()}}
         summary = {("prompt_lookup" if k == best else k): v for k, v in summary.items() if k == best or k not in lookups}
     report = {"config": {**asdict(args), "prompt_count": len(prompts), "notes": notes},
-              "machine": machine_info(args.threads, args.dtype), "methods": summary}
+              "machine": machine_info(args.threads, args.dtype, model.get_output_embeddings().weight.device),
+              "methods": summary}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))

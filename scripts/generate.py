@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +20,7 @@ from transformers import HfArgumentParser, TextStreamer
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, head_kind, load_backbone, resolve_heads
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator, TypicalAcceptance
+from tokenmaxx.inference.timing import clock
 from tokenmaxx.scripts.errors import run_script
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint. Use simple words."
@@ -127,11 +127,14 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
 
 
 def plain_generate(model, input_ids, max_new_tokens):
-    start = time.perf_counter()
+    """Greedy ``model.generate`` on the backbone's device: (sequences [1, T], seconds, waiting for the device)."""
+    device = model.get_output_embeddings().weight.device
+    input_ids = input_ids.to(device)
+    start = clock(device)
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                              do_sample=False)
-    return out, time.perf_counter() - start
+    return out, clock(device) - start
 
 
 def main(argv=None) -> int:

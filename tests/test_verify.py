@@ -44,7 +44,7 @@ def test_tree_logits_equal_per_path_forwards(arch, attn):
 
 
 def test_attention_bias_layout():
-    bias = tree_attention_bias(Tree([(0,), (1,)]).buffers, prefix_len=2, dtype=torch.float32)
+    bias = tree_attention_bias(Tree([(0,), (1,)]).buffers, prefix_len=2, dtype=torch.float32, device="cpu")
     assert bias.shape == (1, 1, 3, 5)
     allowed = (bias[0, 0] == 0).tolist()
     assert allowed == [[True, True, True, False, False],
