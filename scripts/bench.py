@@ -18,13 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator
 from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
                                            run_benchmark, summarize, tokenmaxx_method)
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import parse_flags, run_script
 
 TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
 
@@ -132,11 +131,7 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
 
 def parse_args(argv: list[str] | None = None) -> BenchArgs:
     """BenchArgs from the command line; a bad value exits with one ``error:`` line (status 2), like argparse."""
-    parser = HfArgumentParser(BenchArgs, description=__doc__.split("\n\n")[0])
-    try:
-        (args,) = parser.parse_args_into_dataclasses(argv)
-    except ValueError as err:
-        parser.error(str(err))
+    args = parse_flags(BenchArgs, argv, description=__doc__.split("\n\n")[0])
     return args
 
 

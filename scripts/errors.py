@@ -20,6 +20,19 @@ DEBUG_ENV = "TOKENMAXX_DEBUG"
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConnectionError, PermissionError, OSError)
 
 
+def parse_flags(dataclass_type, argv: list[str] | None, description: str | None = None):
+    """The dataclass a script parses (``HfArgumentParser``); a value its ``__post_init__`` refuses ends the script
+    the argparse way: usage, one ``error:`` line, status 2."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dataclass_type, description=description)
+    try:
+        (args,) = parser.parse_args_into_dataclasses(argv)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
 def run_script(main: Callable[[list[str]], object], argv: list[str] | None = None) -> int:
     """Run a script's ``main(argv)``; bad input ends in one ``error:`` line and status 2 (``--debug``: traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)

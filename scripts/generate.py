@@ -16,12 +16,12 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from transformers import HfArgumentParser, TextStreamer
+from transformers import TextStreamer
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, head_kind, load_backbone, resolve_heads
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator, TypicalAcceptance
 from tokenmaxx.inference.timing import clock
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import parse_flags, run_script
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint. Use simple words."
 
@@ -115,11 +115,7 @@ class GenerateArgs:
 
 def parse_args(argv: list[str] | None = None) -> GenerateArgs:
     """GenerateArgs from the command line; a bad value exits with one ``error:`` line (status 2), like argparse."""
-    parser = HfArgumentParser(GenerateArgs, description=__doc__.split("\n\n")[0])
-    try:
-        (args,) = parser.parse_args_into_dataclasses(argv)
-    except ValueError as err:
-        parser.error(str(err))
+    args = parse_flags(GenerateArgs, argv, description=__doc__.split("\n\n")[0])
     if args.do_sample is None and args.sampling:
         print(f"note: {' '.join(args.sampling_flags())} without --do_sample: sampling (--temperature 0 for greedy)",
               file=sys.stderr)
