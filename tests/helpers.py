@@ -3,12 +3,44 @@ weights, greedy references, statistics for the sampling tests. Test files import
 
 from __future__ import annotations
 
+import os
+
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tokenmaxx.heads import HeadsConfig, MedusaHeads, MTPHeads
 from tokenmaxx.inference.decoding import Accepted
 from tokenmaxx.inference.sampling import target_probs
+
+
+# The device the fast tier runs on: the CPU, or e.g. "cuda" under scripts/gpu_check.sh (TOKENMAXX_TEST_DEVICE).
+TEST_DEVICE = torch.device(os.environ.get("TOKENMAXX_TEST_DEVICE", "cpu"))
+
+
+class OnTestDevice(TorchFunctionMode):
+    """While active, tensors made without a device (models built from a config, hand-written token tensors) are made
+    on ``device``; a random draw from a CPU generator is drawn on the CPU, as on a CPU-only run, then moved there. So
+    the same test files run unchanged on a GPU (conftest.py enters it when TOKENMAXX_TEST_DEVICE is set)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None:
+            generator = kwargs.get("generator")
+            if generator is not None and generator.device != self.device:
+                return func(*args, **kwargs, device=generator.device).to(self.device)
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A seeded generator on the test device (where sampling draws)."""
+    return torch.Generator(device=TEST_DEVICE).manual_seed(seed)
 
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -1,7 +1,8 @@
 """Sampling at temperature > 0: table tests on hand-built logits, distribution tests (with teeth), determinism."""
 
 import pytest
-from helpers import OracleHeads, broken_accept, chi2_pvalue, exact_pair, greedy_reference, random_heads, tiny_model
+from helpers import (OracleHeads, broken_accept, chi2_pvalue, exact_pair, greedy_reference, random_heads,
+                     seeded_generator, tiny_model)
 import torch
 from transformers import DynamicCache, GenerationConfig
 
@@ -27,7 +28,7 @@ NO_WARP = build_warpers(GenerationConfig(do_sample=True))
 
 
 def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+    return seeded_generator(seed)
 
 
 def test_perfect_match_accepts_the_whole_path():

@@ -57,6 +57,13 @@ class Batch:
     def positions(self) -> int:
         return int(self.lengths.sum())
 
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch with its tensors on ``device`` (the backbone's); built on the CPU by ``collate``."""
+        if self.input_ids.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.answer_start), move(self.lengths), self.rows, self.starts)
+
 
 def window_start(prompt_len: int, num_heads: int) -> int:
     """First position any head or KL teacher reads: head K at t targets t+K+1 >= prompt_len."""

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, backbone_identity, load_backbone
+from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
 
 from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, prepare_output, remove, write_shard
 
@@ -69,6 +70,7 @@ class DataConfig:
     backbone: str = field(default=DEFAULT_BACKBONE, metadata={
         "help": "backbone that answers: registered alias, local Hugging Face folder or Hub id"})
     dtype: str = field(default="bfloat16", metadata={"help": "backbone dtype: float32, bfloat16 or float16"})
+    device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     max_new_tokens: int = field(default=256, metadata={"help": "longest answer, in tokens"})
     max_prompt_tokens: int = field(default=512, metadata={
         "help": "skip prompts longer than this many tokens: the trainer's default seq_len (512) drops them anyway, "
@@ -102,6 +104,7 @@ class DataConfig:
                                    ("dtype", self.dtype in DTYPES, f"one of {sorted(DTYPES)}")]:
             if not ok:
                 raise ValueError(f"DataConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+        resolve_device(self.device)  # refuses a device this machine does not have
         self.sources, self.exclude = list(self.sources), [e for e in self.exclude if e.lower() != "none"]
 
 
@@ -359,7 +362,7 @@ def make_data(config: DataConfig, model=None, tokenizer=None, stats: DataStats |
     ``model``/``tokenizer``: the backbone (default: load ``config.backbone``). ``stats``: filled with the run's counts.
     """
     if model is None:
-        model, tokenizer = load_backbone(config.backbone, dtype=config.dtype)
+        model, tokenizer = load_backbone(config.backbone, dtype=config.dtype, device=config.device)
     elif tokenizer is None:
         raise ValueError("make_data was given a model but no tokenizer; pass both (or neither to load config.backbone)")
     out, stats = Path(config.output_dir), stats if stats is not None else DataStats()

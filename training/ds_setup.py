@@ -1,4 +1,8 @@
-"""DeepSpeed on CPU: process-group environment, the JSON config merged with the script's flags, the engine.
+"""DeepSpeed on CPU or GPU: process-group environment, the JSON config merged with the script's flags, the engine.
+
+Device (``--device``, ``training_device``): "auto" takes CUDA when there is a GPU, else the CPU. On CPU the process
+group is gloo and DeepSpeed's accelerator is forced to "cpu" (DS_ACCELERATOR) even on a machine with a GPU; on CUDA it
+is nccl, and rank r of several processes on one machine runs on cuda:LOCAL_RANK.
 
 Launching (all run scripts/train_heads.py unchanged; the script reads RANK / WORLD_SIZE from the environment):
 
@@ -78,15 +82,50 @@ def ensure_dist_env() -> tuple[int, int]:
     return rank, world
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join (or create) the gloo process group through DeepSpeed; returns (rank, world size)."""
+def training_device(spec: str) -> "torch.device":
+    """The run's device: ``spec`` as ``load_backbone`` reads it, and on CUDA with several local processes
+    cuda:LOCAL_RANK (a device index given explicitly is kept)."""
+    import torch
+
+    from tokenmaxx.heads.backbones import resolve_device
+
+    device = resolve_device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        resolve_device(device)  # as many GPUs as local ranks
+    return device
+
+
+def init_distributed(device: "torch.device | None" = None) -> tuple[int, int]:
+    """Join (or create) the process group through DeepSpeed, gloo on CPU and nccl on CUDA (``device`` sets
+    DeepSpeed's accelerator before its first use); returns (rank, world size)."""
+    import torch
+
+    device = torch.device("cpu") if device is None else device
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    if os.environ["DS_ACCELERATOR"] != device.type:
+        raise RuntimeError(f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} but the run's device is {device}; unset "
+                           "it or pass a matching --device")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"training runs on cpu or cuda, not {device}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     import deepspeed
     import deepspeed.comm as dist
 
     ensure_dist_env()
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     return dist.get_rank(), dist.get_world_size()
+
+
+def comm_device() -> "torch.device":
+    """Where the process group's collectives take their tensors: the current GPU under nccl, else the CPU."""
+    import torch
+
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def prebuild_shm_comm() -> str:
@@ -221,12 +260,17 @@ def _pick(flag: str, flag_value: Any, json_value: Any, source: str, label: str |
 
 
 # ---- engine -----------------------------------------------------------------------------------------------------
-def build_engine(module, ds: dict):
-    """DeepSpeed engine over ``module``'s trainable parameters (optimizer and scheduler come from ``ds``)."""
+def build_engine(module, ds: dict, device: "torch.device | None" = None):
+    """DeepSpeed engine over ``module``'s trainable parameters (optimizer and scheduler come from ``ds``); the module
+    must stay on ``device``, where the backbone is (DeepSpeed places it on its accelerator's device)."""
     import deepspeed
 
     params = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds)
+    placed = next(engine.module.parameters()).device
+    if device is not None and placed != device:
+        raise RuntimeError(f"DeepSpeed placed the heads on {placed} but the backbone is on {device}; set "
+                           f"DS_ACCELERATOR={device.type} (or pass --device {placed})")
     return engine
 
 

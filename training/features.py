@@ -38,11 +38,13 @@ FORMAT = 1
 def backbone_hidden(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
     """Final-normed last hidden states of each sequence [T_i] -> [T_i, H], in one right-padded forward."""
     lengths = [len(s) for s in sequences]
-    input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)  # [B, T]
+    input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)  # [B, T] built on the CPU, then moved
     attention_mask = torch.zeros_like(input_ids)  # [B, T]
     for i, seq in enumerate(sequences):
         input_ids[i, : len(seq)] = seq
         attention_mask[i, : len(seq)] = 1
+    device = model.get_output_embeddings().weight.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
                 logits_to_keep=1)  # logits of the last position only: the heads need the states, not the logits
     hidden = out.hidden_states[-1]  # [B, T, H]
@@ -103,8 +105,8 @@ def _check_meta(found: dict, wanted: dict, folder: Path) -> None:
 class FeatureCache:
     """Hidden-state windows stored on disk; ``hidden(batch)`` reads them (memory-mapped) instead of the backbone."""
 
-    def __init__(self, folder: str | Path, meta: dict):
-        self.folder, self.meta = Path(folder), meta
+    def __init__(self, folder: str | Path, meta: dict, device: torch.device | str = "cpu"):
+        self.folder, self.meta, self.device = Path(folder), meta, torch.device(device)  # where hidden() delivers
         self._index: dict[int, tuple[int, int, int, int]] | None = None  # row -> (shard, begin, end, window start)
         self._handles: dict[int, object] = {}
 
@@ -139,7 +141,8 @@ class FeatureCache:
             folder.mkdir(parents=True, exist_ok=True)
             _write_atomic(meta_path, lambda p: Path(p).write_text(json.dumps(wanted, indent=2) + "\n"))
         barrier()
-        cache = cls(folder, json.loads(meta_path.read_text()))  # the cache's own (maybe longer) lookback, shard size
+        # the cache's own (maybe longer) lookback and shard size; windows are delivered on the backbone's device
+        cache = cls(folder, json.loads(meta_path.read_text()), model.get_output_embeddings().weight.device)
         todo = [s for s in range(rank, cache.num_shards, world) if not cache._shard_path(s).is_file()]
         for shard in tqdm(todo, desc="feature cache", unit="shard", disable=rank != 0 or not todo):
             cache._build_shard(shard, model, data, batch_size)
@@ -154,8 +157,8 @@ class FeatureCache:
         for i in range(0, len(by_length), batch_size):
             chunk = by_length[i: i + batch_size]
             states = backbone_hidden(model, [data.examples[r].ids for r in chunk])
-            for r, s in zip(chunk, states):
-                windows[r] = s[window_start(data.examples[r].prompt_len, lookback):].contiguous()
+            for r, s in zip(chunk, states):  # stored from the CPU
+                windows[r] = s[window_start(data.examples[r].prompt_len, lookback):].to("cpu").contiguous()
         hidden_size = self.meta["hidden_size"]
         dtype = getattr(torch, self.meta["dtype"])
         tensors = {
@@ -184,5 +187,5 @@ class FeatureCache:
             raise ValueError(f"row {row}: the cache holds positions from {cached_start}, asked for {start}")
         return self._handle(shard).get_slice("hidden")[begin + start - cached_start: end]
 
-    def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, H]
-        return _pad_windows([self.window(r, s) for r, s in zip(batch.rows, batch.starts)])
+    def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, H] on the backbone's device
+        return _pad_windows([self.window(r, s) for r, s in zip(batch.rows, batch.starts)]).to(self.device)

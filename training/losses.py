@@ -37,9 +37,10 @@ def shifted_targets(input_ids: torch.Tensor, answer_start: torch.Tensor, lengths
     Returns targets [K, B, T] long (0 where undefined) and valid [K, B, T] bool: target position inside the answer.
     """
     bsz, seq = input_ids.shape
-    targets = torch.zeros(num_heads, bsz, seq, dtype=torch.long)
-    valid = torch.zeros(num_heads, bsz, seq, dtype=torch.bool)
-    positions = torch.arange(seq)  # [T]
+    device = input_ids.device
+    targets = torch.zeros(num_heads, bsz, seq, dtype=torch.long, device=device)
+    valid = torch.zeros(num_heads, bsz, seq, dtype=torch.bool, device=device)
+    positions = torch.arange(seq, device=device)  # [T]
     for k in range(1, num_heads + 1):
         off = head_offset(k)
         if off >= seq:
@@ -62,12 +63,13 @@ def teacher_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     index among the needed positions (in ``hidden[need]`` order) of head k's teacher at t, -1 where not valid.
     """
     num_heads, bsz, seq = valid.shape
-    need = torch.zeros(bsz, seq, dtype=torch.bool)
+    device = valid.device
+    need = torch.zeros(bsz, seq, dtype=torch.bool, device=device)
     for k in range(1, num_heads + 1):
         need[:, k:] |= valid[k - 1, :, : seq - k]  # teacher of head k at t sits at t+k
-    index = torch.full((bsz, seq), -1, dtype=torch.long)
-    index[need] = torch.arange(int(need.sum()))
-    row = torch.full((num_heads, bsz, seq), -1, dtype=torch.long)
+    index = torch.full((bsz, seq), -1, dtype=torch.long, device=device)
+    index[need] = torch.arange(int(need.sum()), device=device)
+    row = torch.full((num_heads, bsz, seq), -1, dtype=torch.long, device=device)
     for k in range(1, num_heads + 1):
         row[k - 1, :, : seq - k] = torch.where(valid[k - 1, :, : seq - k], index[:, k:], -1)
     return need, row
@@ -144,14 +146,15 @@ class HeadsObjective(nn.Module):
         """For ``vocab``: the lm_head rows at it [Vd, H] and token id -> position in it (-1 outside) [V]; built once
         per lm_head weight."""
         weight = lm_head.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.device)
         if self._tables_key != key:
             if int(self.vocab.max()) >= weight.shape[0]:
                 raise ValueError(f"loss vocabulary has token id {int(self.vocab.max())}, but the lm_head has only "
                                  f"{weight.shape[0]} rows")
-            index = torch.full((weight.shape[0],), -1, dtype=torch.long)
-            index[self.vocab] = torch.arange(self.vocab.numel())
-            self._tables, self._tables_key = (weight.detach()[self.vocab], index), key
+            vocab = self.vocab.to(weight.device)
+            index = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+            index[vocab] = torch.arange(vocab.numel(), device=weight.device)
+            self._tables, self._tables_key = (weight.detach()[vocab], index), key
         return self._tables
 
     def projection(self, lm_head: nn.Module) -> torch.Tensor:
@@ -163,7 +166,7 @@ class HeadsObjective(nn.Module):
         if self.vocab is None:
             return lm_head(states)
         if getattr(lm_head, "bias", None) is not None:
-            return lm_head(states)[..., self.vocab]
+            return lm_head(states)[..., self.vocab.to(states.device)]
         return F.linear(states, self.projection(lm_head))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
@@ -206,7 +209,7 @@ class HeadsObjective(nn.Module):
         if self.fused:
             return self._project(states, lm_head)
         logits = self.heads.project(states, lm_head)
-        return logits if self.vocab is None else logits[..., self.vocab]
+        return logits if self.vocab is None else logits[..., self.vocab.to(logits.device)]
 
     def select(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
                lengths: torch.Tensor, lm_head: nn.Module) -> Selection:
@@ -238,7 +241,7 @@ class HeadsObjective(nn.Module):
         """
         mask = valid.float()  # [K, n]
         count = mask.sum(1)  # [K]
-        weights = torch.tensor(self.weights) * (count > 0)  # [K]
+        weights = torch.tensor(self.weights, device=count.device) * (count > 0)  # [K]
         scale = (weights / count.clamp(min=1) / weights.sum().clamp(min=1e-12))[:, None] * mask  # [K, n]
         total = (ce * 0.0).sum()  # a zero that keeps the graph even when no head has a target
         if self.loss_kind in ("ce", "ce+kl"):

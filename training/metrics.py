@@ -35,21 +35,22 @@ def target_ranks(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class RankCounts:
     """Sums over held-out positions; ``tensor()`` flattens them for one all_reduce across ranks."""
 
-    def __init__(self, num_heads: int, tree: Tree):
+    def __init__(self, num_heads: int, tree: Tree, device: torch.device | str = "cpu"):
         self.tree = tree
         ranks = max(RANKS, tree.buffers.topk)
-        self.hits = torch.zeros(num_heads, ranks, dtype=torch.float64)  # [K, R] target at rank r of head k
-        self.total = torch.zeros(num_heads, dtype=torch.float64)  # [K] positions where head k has a target
-        self.cond_hits = torch.zeros(num_heads, ranks, dtype=torch.float64)  # [K, R] same, heads < k all top-1
-        self.cond_total = torch.zeros(num_heads, dtype=torch.float64)  # [K]
-        self.node_hits = torch.zeros(len(tree.paths), dtype=torch.float64)  # [N-1] positions where a path matched
-        self.tree_total = torch.zeros(1, dtype=torch.float64)  # positions with a head-1 target
+        f64 = dict(dtype=torch.float64, device=device)  # counted where the ranks are (the backbone's device)
+        self.hits = torch.zeros(num_heads, ranks, **f64)  # [K, R] target at rank r of head k
+        self.total = torch.zeros(num_heads, **f64)  # [K] positions where head k has a target
+        self.cond_hits = torch.zeros(num_heads, ranks, **f64)  # [K, R] same, heads < k all top-1
+        self.cond_total = torch.zeros(num_heads, **f64)  # [K]
+        self.node_hits = torch.zeros(len(tree.paths), **f64)  # [N-1] positions where a path matched
+        self.tree_total = torch.zeros(1, **f64)  # positions with a head-1 target
 
     def add(self, ranks: torch.Tensor, valid: torch.Tensor) -> None:
         """ranks, valid: [K, n] rank of each head's target and whether it exists."""
         num_heads, num_ranks = self.hits.shape
         ranks = torch.where(valid, ranks, -1)  # [K, n]; -1 never matches a tree rank
-        prev_top1 = torch.ones(ranks.shape[1], dtype=torch.bool)  # [n]
+        prev_top1 = torch.ones(ranks.shape[1], dtype=torch.bool, device=ranks.device)  # [n]
         for k in range(num_heads):
             in_table = valid[k] & (ranks[k] < num_ranks)
             self.hits[k] += torch.bincount(ranks[k][in_table], minlength=num_ranks).double()
@@ -106,12 +107,13 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
     """Held-out loss and accuracy metrics of ``objective.heads``; every rank evaluates its share, then all_reduce.
     ``embed``: the backbone's input embedding, for heads that read tokens (MTP)."""
     num_heads = objective.heads.config.num_heads
-    counts = RankCounts(num_heads, tree)
-    loss_sum = torch.zeros(2, dtype=torch.float64)  # [weighted loss * positions, positions]
+    device = lm_head.weight.device
+    counts = RankCounts(num_heads, tree, device)
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # [weighted loss * positions, positions]
     was_training = objective.training
     objective.eval()
     for rows in eval_micro_batches(data.eval, rank, world, micro_batch_size):
-        batch = collate(data, rows, num_heads)
+        batch = collate(data, rows, num_heads).to(device)
         hidden = features.hidden(batch)  # [B, W, H]
         sel = objective.select(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head)
         logits = objective.head_logits(hidden, batch.input_ids, sel.selected, lm_head, embed)  # [K, n, V]
@@ -125,8 +127,8 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
         if sel.in_vocab is not None:  # a target outside the loss vocabulary can never be guessed: a miss at every rank
             ranks = torch.where(sel.in_vocab, ranks, torch.iinfo(ranks.dtype).max)
         counts.add(ranks, valid)
-        n = float(valid.any(0).sum())
-        loss_sum += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+        n = valid.any(0).sum().double()
+        loss_sum += torch.stack([loss.detach().double() * n, n])
     objective.train(was_training)
     flat = torch.cat([counts.tensor(), loss_sum])
     if all_reduce is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmaxx.heads import DEFAULT_HEAD_KIND, HEAD_KINDS
+from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
 
 DEFAULT_DS_CONFIG = str(Path(__file__).with_name("ds_config.json"))
 LOSSES = ("ce", "kl", "ce+kl")
@@ -53,6 +54,8 @@ class TrainConfig:
         "help": "backbone alias (see tokenmaxx.heads.BACKBONES), local HF folder, or Hub id"})
     adapter: str | None = field(default=None, metadata={
         "help": "PEFT adapter merged into the backbone (folder / Hub id)"})
+    device: str = field(default="auto", metadata={
+        "help": DEVICE_HELP + "; with several processes on GPUs each rank takes cuda:LOCAL_RANK"})
     dtype: str | None = field(default=None, metadata={
         "help": _ds_help(f"backbone and head compute dtype, one of {DTYPES}; bfloat16 is DeepSpeed bf16 with fp32 "
                          "master weights (JSON bf16.enabled)", "dtype")})
@@ -113,6 +116,7 @@ class TrainConfig:
                 "run)"})
 
     def __post_init__(self) -> None:
+        resolve_device(self.device)  # refuses a device this machine does not have
         if not self.data:
             raise ValueError("--data is required: the self-distilled dataset folder")
         if not self.output_dir:

@@ -2,7 +2,8 @@
 
 ``train(cfg)`` is the whole run, as named steps:
 
-1. processes     join the gloo process group (a plain single process gets RANK / WORLD_SIZE defaults)
+1. processes     join the process group (gloo on CPU, nccl on CUDA; a plain single process gets RANK / WORLD_SIZE
+                 defaults); the device is ``cfg.device`` (cuda:LOCAL_RANK per rank on GPUs)
 2. data          self-distilled examples, train / held-out split (``batches.load_data``)
 3. config        DeepSpeed JSON merged with the flags (``ds_setup.resolve_ds_config``)
 4. backbone      frozen, eval mode; never handed to DeepSpeed (its weights stay bit-identical)
@@ -34,12 +35,13 @@ from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, backbone_identity, load_backbone
 from tokenmaxx.heads.tree import parse_tree
-from tokenmaxx.inference.calibration_store import cpu_name
+from tokenmaxx.inference.calibration_store import cpu_name, device_name
+from tokenmaxx.inference.timing import clock
 
 from . import checkpoints
 from .batches import SelfDistilledData, collate, load_data, step_micro_batches
 from .checkpoints import atomic_write_text
-from .ds_setup import build_engine, init_distributed, resolve_ds_config, steps_per_epoch
+from .ds_setup import build_engine, comm_device, init_distributed, resolve_ds_config, steps_per_epoch, training_device
 from .features import BackboneFeatures, FeatureCache
 from .losses import STATS, HeadsObjective, shifted_targets
 from .metrics import MetricsLogger, evaluate
@@ -67,11 +69,12 @@ def _all_reduce(t: torch.Tensor) -> None:
 
 
 def _reduced(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t`` over ranks, summed in float64 where the process group's backend needs it (nccl: the GPU)."""
     import deepspeed.comm as dist
 
-    out = t.double().clone()
+    out = t.double().to(comm_device(), copy=True)
     dist.all_reduce(out)
-    return out.to(t.dtype)
+    return out.to(t.device, t.dtype)
 
 
 def _barrier() -> None:
@@ -82,18 +85,22 @@ def _barrier() -> None:
 
 
 # ---- steps --------------------------------------------------------------------------------------------------------
-def load_frozen_backbone(cfg: TrainConfig):
-    """Step 4: the backbone by alias / folder / Hub id, in cfg.dtype, with the PEFT adapter merged if any."""
-    kwargs = {"dtype": cfg.dtype}
+def load_frozen_backbone(cfg: TrainConfig, device: torch.device):
+    """Step 4: the backbone by alias / folder / Hub id, in cfg.dtype on ``device``, with the PEFT adapter merged."""
+    kwargs = {"dtype": cfg.dtype, "device": device}
     if cfg.adapter is not None:
         kwargs["adapter"] = cfg.adapter
     model, _ = load_backbone(cfg.backbone, **kwargs)
     return model
 
 
-def check_frozen_backbone(model, cfg: TrainConfig, data: SelfDistilledData) -> None:
-    """The backbone is frozen, in the run's dtype, and the one the data was distilled from (when recorded)."""
+def check_frozen_backbone(model, cfg: TrainConfig, data: SelfDistilledData, device: torch.device) -> None:
+    """The backbone is frozen, in the run's dtype, on the run's device, and the one the data was distilled from (when
+    recorded)."""
     weight = model.get_output_embeddings().weight
+    if weight.device != device:
+        raise ValueError(f"the backbone is on {weight.device} but the run's device is {device}; move it there or "
+                         f"pass --device {weight.device}")
     if weight.dtype != getattr(torch, cfg.dtype):
         raise ValueError(f"the backbone is {weight.dtype} but the run's dtype is {cfg.dtype}; "
                          f"load it with dtype={cfg.dtype!r} or pass --dtype {str(weight.dtype).removeprefix('torch.')}")
@@ -163,14 +170,15 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
     Returns (sums [1 + len(STATS) * K + 1]: loss sum, per-head stats, trained positions; this rank's), feature
     seconds (backbone forward or cache read), total seconds.
     """
-    start = time.perf_counter()
+    device = lm_head.weight.device
+    start = clock(device)
     steps_before, feature_s = engine.global_steps, 0.0
-    sums = torch.zeros(2 + len(STATS) * num_heads, dtype=torch.float64)
+    sums = torch.zeros(2 + len(STATS) * num_heads, dtype=torch.float64, device=device)  # read once, by step_record
     for rows in micro_batches:
-        batch = collate(data, rows, num_heads)
-        t0 = time.perf_counter()
+        batch = collate(data, rows, num_heads).to(device)
+        t0 = clock(device)
         hidden = features.hidden(batch)  # [B, W, H]
-        feature_s += time.perf_counter() - t0
+        feature_s += clock(device) - t0
         loss, stats = engine(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head=lm_head,
                              embed=embed)
         engine.backward(loss)
@@ -182,7 +190,7 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
     if engine.global_steps != steps_before + 1:
         raise RuntimeError(f"{len(micro_batches)} micro-batches made {engine.global_steps - steps_before} optimizer "
                            "steps, expected exactly 1 (gradient_accumulation_steps mismatch)")
-    return sums, feature_s, time.perf_counter() - start
+    return sums.cpu(), feature_s, clock(device) - start
 
 
 def step_record(step: int, sums: torch.Tensor, num_micro: int, num_heads: int, lr: float, seconds: float,
@@ -208,12 +216,13 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     """
     wall_start = time.perf_counter()
     requested = cfg.to_dict()
-    rank, world = init_distributed()  # 1. processes
+    device = training_device(cfg.device)
+    rank, world = init_distributed(device)  # 1. processes
     data = load_data(cfg.data, cfg.seq_len, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed)  # 2. data
     cfg, ds = resolve_ds_config(cfg, world, len(data.train))  # 3. config
     if model is None:  # 4. backbone
-        model = load_frozen_backbone(cfg)
-    check_frozen_backbone(model, cfg, data)
+        model = load_frozen_backbone(cfg, device)
+    check_frozen_backbone(model, cfg, data, device)
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
@@ -233,7 +242,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     if rank == 0:
         atomic_write_text(out / "run_config.json", _json({"resolved": cfg.to_dict(), "requested": requested}))
         atomic_write_text(out / "ds_config.resolved.json", _json(ds))
-    engine = build_engine(objective, ds)  # 7. engine
+    objective.to(device)  # the heads; DeepSpeed keeps them where they are (checked in build_engine)
+    engine = build_engine(objective, ds, device)  # 7. engine
     if resumed:  # 8. checkpoints
         step, before = checkpoints.load(engine, cfg.checkpoint_dir)
     else:
@@ -295,7 +305,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     result.wall_seconds = time.perf_counter() - wall_start
     total = progress()
     extra = {"training": cfg.to_dict(), "requested": requested, "deepspeed": ds, "world_size": world,
-             "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__},
+             "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                         "device": device_name(device)},
              "data": {"path": str(cfg.data), "provenance": data.provenance, "fingerprint": data.fingerprint,
                       "rows": data.num_rows, "train_examples": len(data.train), "eval_examples": len(data.eval),
                       "dropped": data.dropped},

