@@ -11,7 +11,7 @@ import torch
 from helpers import random_heads, random_mtp, tiny_model
 
 from tokenmaxx.heads import Tree
-from tokenmaxx.training import ds_setup
+from tokenmaxx.training import ds_setup, linear_ce
 from tokenmaxx.training.batches import Batch
 from tokenmaxx.training.losses import HeadsObjective
 from tokenmaxx.training.metrics import RankCounts
@@ -91,3 +91,24 @@ def test_training_device_and_process_group(monkeypatch):
     with pytest.raises(RuntimeError, match="DS_ACCELERATOR=cuda but the run's device is cpu"):
         ds_setup.init_distributed(torch.device("cpu"))
     assert ds_setup.comm_device() == torch.device("cpu")
+
+
+def test_the_loss_chunking_changes_nothing_but_the_buffer_size(monkeypatch):
+    """CPU and accelerators score different numbers of rows at once (``chunk_rows``); per-row results and gradients
+    are the same whatever the chunk."""
+    assert linear_ce.chunk_rows(torch.device("cpu")) == linear_ce.CHUNK_ROWS
+    assert linear_ce.chunk_rows(META) == linear_ce.DEVICE_CHUNK_ROWS > linear_ce.CHUNK_ROWS
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 8, generator=gen)  # [V, H]
+    targets = torch.randint(50, (37,), generator=gen)
+    teacher = torch.randn(37, 50, generator=gen).log_softmax(-1)
+    results = []
+    for rows in (1, 5, 37, 128):
+        monkeypatch.setattr(linear_ce, "CHUNK_ROWS", rows)
+        states = torch.randn(37, 8, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        ce, kl, hit = linear_ce.linear_cross_entropy(states, weight, targets, teacher, torch.arange(37))
+        (ce.sum() + kl.sum()).backward()
+        results.append((ce.detach(), kl.detach(), hit, states.grad))
+    for got in results[1:]:
+        assert all(torch.allclose(a, b, atol=1e-6) if a.is_floating_point() else torch.equal(a, b)
+                   for a, b in zip(got, results[0]))

@@ -18,6 +18,11 @@ CHUNK_ROWS = 128  # [128, 49152] fp32 = 25 MB: below glibc's mmap threshold ceil
 DEVICE_CHUNK_ROWS = 2048  # on an accelerator: [2048, 49152] fp32 = 400 MB, few enough kernel launches per step
 
 
+def chunk_rows(device: torch.device) -> int:
+    """Rows projected at once: small on the CPU (a reused buffer), large on an accelerator (few launches)."""
+    return CHUNK_ROWS if device.type == "cpu" else DEVICE_CHUNK_ROWS
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states, weight, targets, teacher, rows, with_grad: bool):
@@ -32,7 +37,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # [N, H] input gradients, filled chunk by chunk
         grad_ce = torch.empty(num_rows, states.shape[1], dtype=torch.float32, device=device) if with_grad else None
         grad_kl = torch.empty_like(grad_ce) if with_grad and teacher is not None else None  # [N, H]
-        chunk = CHUNK_ROWS if device.type == "cpu" else DEVICE_CHUNK_ROWS
+        chunk = chunk_rows(device)
         for i in range(0, num_rows, chunk):
             j = min(i + chunk, num_rows)
             z = (states[i:j] @ weight.T).float()  # [c, V]
