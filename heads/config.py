@@ -17,7 +17,7 @@ WEIGHTS_NAME = "model.safetensors"
 
 @dataclass
 class HeadsConfig:
-    kind: str = field(default=DEFAULT_HEAD_KIND, metadata={"help": "head kind (a registered name: 'mtp', 'medusa')"})
+    kind: str = field(default=DEFAULT_HEAD_KIND, metadata={"help": "head kind (a registered name: 'mtp', 'medusa', 'eagle3')"})
     num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions after the current one"})
     num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
     hidden_size: int = field(default=0, metadata={"help": "backbone hidden size H"})
@@ -32,7 +32,11 @@ class HeadsConfig:
         "help": "drafting projects onto this many frequent tokens (weights buffer 'draft_vocab') plus the prompt's "
                 "tokens instead of the whole vocabulary: far cheaper guesses; None = the whole vocabulary"})
     layer_config: dict[str, Any] | None = field(default=None, metadata={
-        "help": "kind 'mtp': the backbone config (model_type and sizes) its decoder layers are built from"})
+        "help": "kinds 'mtp', 'eagle3': the config (model_type and sizes) their decoder layers are built from"})
+    feature_layers: list[int] | None = field(default=None, metadata={
+        "help": "what the heads read of the backbone: None = its final-normed last hidden state; a list = its "
+                "hidden_states at these indices (i: the input of layer i, 0 the embeddings, L the final-normed "
+                "output), concatenated (kind 'eagle3': low, middle and high layers)"})
     tree: list[list[int]] | None = field(default=None, metadata={
         "help": "kinds that draft static trees (medusa): the tree as paths of ranks; None: the library's default"})
     dynamic_tree: DynamicTreeConfig | None = field(default=None, metadata={
@@ -57,6 +61,13 @@ class HeadsConfig:
             if tree.depth > self.num_heads:
                 raise ValueError(f"tree depth {tree.depth} exceeds num_heads {self.num_heads}")
             self.tree = [list(p) for p in tree.paths]
+        if self.feature_layers is not None:
+            layers = list(self.feature_layers)
+            if not layers or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers) \
+                    or len(set(layers)) != len(layers):
+                raise ValueError(f"HeadsConfig.feature_layers must be None or distinct hidden-state indices >= 0, "
+                                 f"got {self.feature_layers!r}")
+            self.feature_layers = layers
         if isinstance(self.dynamic_tree, dict):
             self.dynamic_tree = DynamicTreeConfig.from_dict(self.dynamic_tree)
         elif self.dynamic_tree is not None and not isinstance(self.dynamic_tree, DynamicTreeConfig):

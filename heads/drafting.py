@@ -47,7 +47,8 @@ class Prefill:
     """What the backbone's prefill left: the start of every drafter's state."""
 
     input_ids: torch.Tensor  # [P] the prompt
-    hidden: torch.Tensor  # [P, H] final-normed backbone states of the prompt
+    hidden: torch.Tensor  # [P, F] backbone states of the prompt as the drafter reads them (``Drafter.feature_layers``;
+    # default: [P, H] final-normed last states)
     root: int  # the first new token (chosen from the last prompt position)
 
 
@@ -58,5 +59,5 @@ class Outcome:
     draft: Draft
     nodes: torch.Tensor  # [m+1] long: the accepted path's node indices, root first
     tokens: list[int]  # the m accepted candidates and the bonus token
-    hidden: torch.Tensor  # [m+1, H] backbone states at the accepted nodes (the next round's heads read the last)
+    hidden: torch.Tensor  # [m+1, F] backbone states at the accepted nodes, as in Prefill (the next round reads the last)
     emitted: list[int]  # what the round added to the output (``tokens`` cut at EOS / max_new_tokens)

@@ -93,6 +93,8 @@ class MedusaHeads(DraftHeads):
 
     @classmethod
     def check_config(cls, config) -> None:
+        if config.feature_layers is not None:
+            raise ValueError(f"{config.kind!r} heads read the backbone's final state: feature_layers must be None")
         if config.dynamic_tree is not None:
             raise ValueError(f"{config.kind!r} heads draft static trees (HeadsConfig.tree): dynamic_tree must be None")
 
@@ -132,6 +134,7 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, model, tree: Tree, draft_vocab: bool = True):
         self.heads, self.tree = heads, tree
+        self.feature_layers = heads.feature_layers  # None: the final-normed last state
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device  # the backbone's: drafts live there
         self.use_vocab = bool(draft_vocab) and heads.draft_vocab is not None and heads.config.share_lm_head

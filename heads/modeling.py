@@ -49,6 +49,21 @@ def _warn_unnamed_backbone(model, backbone: str, revision: str | None) -> None:
                   "check knowingly", BackboneIdentityWarning, stacklevel=3)
 
 
+def backbone_features(hidden_states, layers) -> torch.Tensor:
+    """What heads read of a backbone forward run with ``output_hidden_states=True``.
+
+    hidden_states: the forward's tuple (index i: the input of layer i; 0 the embeddings, the last the final-normed
+    output), each [..., H]. layers: None -> the final-normed last state [..., H]; indices -> those states concatenated
+    in the given order [..., len(layers) * H] (``HeadsConfig.feature_layers``).
+    """
+    if layers is None:
+        return hidden_states[-1]
+    if max(layers) >= len(hidden_states):
+        raise ValueError(f"feature layers {list(layers)} need hidden states up to index {max(layers)}, but the "
+                         f"backbone returns {len(hidden_states)} (indices 0..{len(hidden_states) - 1})")
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
 def _backbone_shapes(model) -> tuple[int, int]:
     """(hidden size, vocabulary size) as the backbone's lm_head actually has them."""
     vocab, hidden = model.get_output_embeddings().weight.shape
@@ -76,6 +91,9 @@ class DraftHeads(nn.Module):
     def __init__(self, config: HeadsConfig):
         super().__init__()
         self.config = config
+        # which backbone hidden states the heads read (``backbone_features``): None, the final-normed last one
+        self.feature_layers: tuple[int, ...] | None = \
+            None if config.feature_layers is None else tuple(config.feature_layers)
         # [Vd] long token ids drafting projects onto (None: all); saved with the weights when set
         self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 
@@ -106,6 +124,11 @@ class DraftHeads(nn.Module):
             raise BackboneMismatchError(
                 f"heads expect hidden size {cfg.hidden_size} and vocabulary {cfg.vocab_size} "
                 f"(made for backbone {cfg.backbone!r}), but the backbone has hidden size {hidden} and vocabulary {vocab}")
+        depth = getattr(model.config, "num_hidden_layers", None)
+        if self.feature_layers and depth is not None and max(self.feature_layers) > depth:
+            raise BackboneMismatchError(
+                f"heads read backbone hidden states {list(self.feature_layers)}, but the backbone has {depth} layers "
+                f"(hidden-state indices 0..{depth})")
         ident, revision = backbone_identity(model)
         if strict_identity and cfg.backbone and not ident:
             _warn_unnamed_backbone(model, cfg.backbone, cfg.backbone_revision)

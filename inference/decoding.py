@@ -27,13 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.heads.tree import TreeBuffers
 
 
 @dataclass
 class Verified:
     logits: torch.Tensor  # [N, V] backbone logits at each tree node
-    hidden: torch.Tensor  # [N, H] final-normed last hidden state at each tree node
+    hidden: torch.Tensor  # [N, F] what the drafter reads at each tree node (``backbone_features``; default: [N, H]
+    # final-normed last hidden state)
 
 
 @dataclass
@@ -53,11 +55,12 @@ def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtyp
 
 
 def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len: int,
-           attention: dict | None = None) -> Verified:
+           attention: dict | None = None, feature_layers: tuple[int, ...] | None = None) -> Verified:
     """ONE backbone forward over all tree nodes through the public forward (4D mask, position_ids, Cache).
 
     tokens: [N] on the backbone's device; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N``
     after it. ``attention``: keywords for the attention function (``tokenmaxx.heads.attention.shared_kv_kwargs``).
+    ``feature_layers``: which hidden states ``Verified.hidden`` holds (the drafter's; None: the final-normed last).
     """
     weight = model.get_output_embeddings().weight
     out = model(
@@ -69,7 +72,7 @@ def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len:
         output_hidden_states=True,
         **(attention or {}),
     )
-    return Verified(logits=out.logits[0], hidden=out.hidden_states[-1][0])
+    return Verified(logits=out.logits[0], hidden=backbone_features(out.hidden_states, feature_layers)[0])
 
 
 def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Accepted:

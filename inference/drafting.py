@@ -32,6 +32,10 @@ DEFAULT_DRAFT = "hybrid"  # fastest measured on unseen prompts (docs/benchmarks.
 
 
 class Drafter(Protocol):
+    # which backbone hidden states ``Prefill.hidden`` / ``Outcome.hidden`` hold for it (``backbone_features``):
+    # None, the final-normed last state; hidden-state indices for heads that read several layers (EAGLE-3)
+    feature_layers: tuple[int, ...] | None
+
     def describe(self) -> str:
         """A few words for logs: what drafts and how large its trees are."""
 

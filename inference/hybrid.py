@@ -219,6 +219,7 @@ class HybridDrafter:
     def __init__(self, heads_drafter, config: LookupConfig | None = None, nodes: int = 1,
                  latency: VerifyLatency | None = None):
         self.heads = heads_drafter
+        self.feature_layers = heads_drafter.feature_layers  # the states are the heads drafter's
         self.config = config or LookupConfig()
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
         self.latency = latency  # verify seconds per node count on this machine (None: keep the whole budget)

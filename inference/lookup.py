@@ -156,6 +156,7 @@ class LookupDrafter:
 
     def __init__(self, config: LookupConfig | None = None):
         self.config = config or LookupConfig()
+        self.feature_layers = None  # reads no backbone states
         self.min_ngram = self.config.shortest_ngram(2)
         self.index = NgramIndex(self.config.max_ngram)
         self.length = self.config.start_len

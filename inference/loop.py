@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from tokenmaxx.heads.drafting import SOURCE_NAMES, Outcome, Prefill
+from tokenmaxx.heads.modeling import backbone_features
 
 from .decoding import Accepted, commit, verify
 from .timing import clock
@@ -98,7 +99,7 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
         streamer.put(input_ids.cpu())
     input_ids = input_ids.to(device)
     start = clock(device)
-    cache, prefill = _prefill(model, input_ids, choose_root)
+    cache, prefill = _prefill(model, input_ids, choose_root, drafter.feature_layers)
     drafter.start(prefill)
     root, prefix_len, new_tokens = prefill.root, input_ids.shape[1], [prefill.root]
     stats.prefill_seconds = clock(device) - start
@@ -111,7 +112,7 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
         room = max_new_tokens - len(new_tokens) - 1  # a round emits at most depth + 1 tokens: no overshooting nodes
         draft = drafter.propose(root, room)
         t1 = clock(device)
-        verified = verify(model, cache, draft.tokens, draft.buffers, prefix_len, attention)
+        verified = verify(model, cache, draft.tokens, draft.buffers, prefix_len, attention, drafter.feature_layers)
         t2 = clock(device)
         accepted = accept(draft.tokens, verified.logits, draft.buffers)
         t3 = clock(device)
@@ -132,14 +133,16 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
     return new_tokens, stats
 
 
-def _prefill(model, input_ids: torch.Tensor, choose_root) -> tuple[DynamicCache, Prefill]:
+def _prefill(model, input_ids: torch.Tensor, choose_root,
+             feature_layers: tuple[int, ...] | None) -> tuple[DynamicCache, Prefill]:
     """One backbone forward over the prompt [1, P]: the cache holds its P positions, the root is chosen from the
-    last position's logits."""
+    last position's logits; the drafter gets the states it reads (``feature_layers``)."""
     cache = DynamicCache(config=model.config)
     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
                 **_last_logits_only(model, input_ids.shape[1]))
     root = choose_root(out.logits[0, -1])  # from logits [V]
-    return cache, Prefill(input_ids=input_ids[0], hidden=out.hidden_states[-1][0], root=root)
+    hidden = backbone_features(out.hidden_states, feature_layers)[0]  # [P, F]
+    return cache, Prefill(input_ids=input_ids[0], hidden=hidden, root=root)
 
 
 def _emitted(tokens: list[int], room: int, eos: set[int]) -> list[int]:

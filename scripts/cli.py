@@ -22,6 +22,7 @@ COMMANDS = {
     "train": ("train_heads", "train draft heads on a frozen backbone (DeepSpeed) and export them"),
     "make-data": ("make_data", "self-distilled training data: the backbone answers chat prompts"),
     "push": ("push_to_hub", "push trained heads (and their model card) to the Hugging Face Hub"),
+    "export": ("export_heads", "export heads for a serving engine (an EAGLE-3 checkpoint for vLLM / SGLang)"),
 }
 PROG = "tokenmaxx"
 

@@ -1,12 +1,19 @@
-"""Fixtures (the helpers themselves are in helpers.py): a tiny random Llama / Qwen2 backbone per test."""
+"""Fixtures (the helpers themselves are in helpers.py): a tiny random Llama / Qwen2 backbone per test; for the
+training tests, a tiny backbone saved to disk and a dataset of its own greedy answers."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import TEST_DEVICE, OnTestDevice, tiny_model
+from datasets import Dataset
+from helpers import ANSWER_LEN, TEST_DEVICE, OnTestDevice, greedy_answers, tiny_model
+from tiny_tokenizer import tiny_tokenizer
+
+from tokenmaxx.heads import load_backbone
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 if "TOKENMAXX_TEST_DEVICE" in os.environ:  # scripts/gpu_check.sh: the fast tier on a GPU (its dry run: on the CPU)
@@ -18,3 +25,29 @@ def model(request):
     return tiny_model(request.param)
 
 
+
+
+# ---- training: a tiny backbone on disk and its own greedy answers ---------------------------------------------------
+@pytest.fixture(scope="session")
+def backbone_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-backbone")
+    tiny_model("llama", seed=1).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, backbone_dir) -> Path:
+    model, _ = load_backbone(str(backbone_dir))
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for prompt_len in (3, 6, 9, 12):  # 4 groups of 10 prompts
+        prompts = torch.randint(4, 96, (10, prompt_len), generator=gen)
+        for p, a in zip(prompts.tolist(), greedy_answers(model, prompts, ANSWER_LEN).tolist()):
+            rows.append({"prompt": " ".join(map(str, p)), "prompt_ids": p, "answer_ids": a})
+    path = tmp_path_factory.mktemp("data") / "tiny"
+    Dataset.from_list(rows).save_to_disk(str(path))
+    ident, revision = str(backbone_dir), None
+    (path / "provenance.json").write_text(json.dumps({"backbone": ident, "backbone_revision": revision,
+                                                      "sampling": {"greedy": True}}))
+    return path

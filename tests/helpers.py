@@ -4,15 +4,17 @@ weights, greedy references, statistics for the sampling tests. Test files import
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tokenmaxx.heads import HeadsConfig, MedusaHeads, MTPHeads
+from tokenmaxx.heads import DraftHeads, Eagle3Heads, HeadsConfig, MedusaHeads, MTPHeads
 from tokenmaxx.inference.decoding import Accepted
 from tokenmaxx.inference.sampling import target_probs
+from tokenmaxx.training.train_config import TrainConfig
 
 
 # The device the fast tier runs on: the CPU, or e.g. "cuda" under scripts/gpu_check.sh (TOKENMAXX_TEST_DEVICE).
@@ -120,6 +122,18 @@ def random_mtp(model, seed: int = 0, num_heads: int = 3, scale: float = 0.3) -> 
     return heads.eval()
 
 
+def random_eagle3(model, seed: int = 0, num_heads: int = 3, scale: float = 0.3,
+                  feature_layers=(0, 1, 2)) -> Eagle3Heads:
+    """EAGLE-3 heads with random weights; the tiny backbones have 2 layers, so they read hidden states 0, 1 and 2
+    (the embeddings, the middle, the final-normed output) instead of EAGLE-3's default (2, L//2, L-3)."""
+    heads = Eagle3Heads.for_backbone(model, num_heads=num_heads, feature_layers=list(feature_layers))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return heads.eval()
+
+
 def chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     """Pearson chi-square goodness of fit, cells with expected count < 5 merged into one."""
     n = counts.sum()
@@ -199,3 +213,27 @@ BENCH = {"config": {"backbone": "smollm2-135m", "dtype": "bfloat16", "threads": 
          "machine": {"cpu": "test cpu", "threads": 2},
          "methods": {"baseline": {"overall": {**BENCH_STATS, "speedup": 1.0, "tau": 1.0}, "categories": {"coding": BENCH_STATS, "math": BENCH_STATS}},
                      "medusa": {"overall": BENCH_STATS, "categories": {"coding": {**BENCH_STATS, "speedup": 1.91}, "math": BENCH_STATS}}}}
+
+
+# ---- training -----------------------------------------------------------------------------------------------------
+ANSWER_LEN = 24  # tokens of each answer in the tiny training data (conftest.data_dir)
+
+
+@torch.no_grad()
+def greedy_answers(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """prompts [B, P] (same length) -> the backbone's greedy continuation [B, new_tokens] (no EOS stop)."""
+    ids = prompts
+    for _ in range(new_tokens):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, prompts.shape[1]:]
+
+
+def make_cfg(data_dir: Path, out: Path, **overrides) -> TrainConfig:
+    """A short training run on the tiny data (medusa heads, fp32, 6 steps, checkpoints every 3)."""
+    values = dict(data=str(data_dir), backbone="unused", kind="medusa", dtype="float32", output_dir=str(out), seq_len=48,
+                  max_steps=6, lr=3e-2, warmup=2, micro_batch_size=4, grad_accum=2, eval_fraction=0.1, save_every=3)
+    return TrainConfig(**{**values, **overrides})
+
+
+def head_state(export_dir: Path) -> dict[str, torch.Tensor]:
+    return DraftHeads.from_pretrained(export_dir).state_dict()

@@ -97,7 +97,7 @@ def test_bad_generate_flags_give_one_error_line(flags, message, capsys):
 
 
 @pytest.mark.parametrize("parse, flags, message", [
-    (generate.parse_args, ["--kind", "foo"], r"unknown head kind 'foo': known kinds are \['medusa', 'mtp'\]"),
+    (generate.parse_args, ["--kind", "foo"], r"unknown head kind 'foo': known kinds are \['eagle3', 'medusa', 'mtp'\]"),
     (generate.parse_args, ["--draft", "foo"], "unknown --draft 'foo': expected one of heads, lookup, hybrid"),
     (generate.parse_args, ["--prompt", " "], "--prompt is empty"),
     (lambda flags: bench.parse_args(["--prompts", __file__, *flags]), ["--draft", "foo"], "unknown --draft 'foo'"),
@@ -204,9 +204,9 @@ def test_console_help_lists_the_commands():
     assert CONSOLE.is_file(), f"{CONSOLE} is missing: reinstall (pip install --no-deps -e .)"
     out = run(CONSOLE, "--help")
     assert out.returncode == 0, out.stderr
-    for name in ("generate", "bench", "train", "make-data", "push"):
+    for name in ("generate", "bench", "train", "make-data", "push", "export"):
         assert f"\n  {name} " in out.stdout
-    assert set(cli.COMMANDS) == {"generate", "bench", "train", "make-data", "push"}
+    assert set(cli.COMMANDS) == {"generate", "bench", "train", "make-data", "push", "export"}
 
 
 @pytest.mark.parametrize("argv", [["bogus"], []])

@@ -5,12 +5,13 @@ import json
 import math
 
 import pytest
-from helpers import (assert_matches_greedy, chi2_pvalue, exact_pair, greedy_reference, oracle_tau, random_heads,
-                     random_mtp, tiny_model)
+from helpers import (assert_matches_greedy, chi2_pvalue, exact_pair, greedy_reference, oracle_tau, random_eagle3,
+                     random_heads, random_mtp, tiny_model)
 import torch
 from transformers import DynamicCache, GenerationConfig
 
 from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MTPHeads
+from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.heads.dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
 from tokenmaxx.inference.sampling import build_warpers, target_probs
@@ -53,21 +54,22 @@ class OracleMTP(MTPHeads):
 
 
 # ---- the module --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [random_mtp, random_eagle3], ids=["mtp", "eagle3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_training_unroll_equals_cached_tree_inference(arch):
+def test_training_unroll_equals_cached_tree_inference(arch, make):
     """Depth d at anchor a in the training unroll == the same chain drafted through the KV cache with a tree mask
-    that also holds a sibling branch (which must not leak into the chain)."""
+    that also holds a sibling branch (which must not leak into the chain). For every sequential kind."""
     model = tiny_model(arch)
-    heads = random_mtp(model)
+    heads = make(model)
     embed = model.get_input_embeddings()
     ids = torch.randint(3, 96, (1, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+        hidden = backbone_features(model(ids, output_hidden_states=True).hidden_states, heads.feature_layers)
         unrolled = heads.unrolled_states(hidden, ids, embed)  # [3, 1, 14, H]
         a = 6
         cache = DynamicCache()
-        s1 = heads.step(hidden[:, : a + 1], ids[:, 1: a + 2], embed, torch.arange(a + 1)[None], _causal(0, a + 1),
-                        cache)
+        s1 = heads.step(heads.lift(hidden[:, : a + 1]), ids[:, 1: a + 2], embed, torch.arange(a + 1)[None],
+                        _causal(0, a + 1), cache)
         assert torch.allclose(heads.norm(s1[0, -1]), unrolled[0, 0, a], atol=1e-5)
         # depth 2: two siblings (the true token and a decoy) in one call, each seeing the cache and itself only
         toks = torch.tensor([[int(ids[0, a + 2]), 5]])

@@ -134,7 +134,8 @@ def _generator_pvalue(monkeypatch, broken: bool, n=1500, draft="heads"):
     model = _sampling_model()
     if broken:
         monkeypatch.setattr(generator_module, "accept_sampling", broken_accept)
-    gen = SpeculativeGenerator(model, random_heads(model, seed=3), tree=TREE, draft=draft)
+    # adaptive_budget=False: the hybrid node budget must not hang on this machine's measured (load-dependent) latency
+    gen = SpeculativeGenerator(model, random_heads(model, seed=3), tree=TREE, draft=draft, adaptive_budget=False)
     warpers = build_warpers(GenerationConfig(do_sample=True, temperature=1.0))
     prefix = torch.tensor([3, 4, 5, 3, 4])  # repeats: hybrid drafting finds lookup branches (5, 3 after 4, ...)
     vocab = model.config.vocab_size
@@ -149,7 +150,7 @@ def _generator_pvalue(monkeypatch, broken: bool, n=1500, draft="heads"):
         counts[new[1] * vocab + new[2]] += 1
         from_lookup += out.stats.accepted_by_source["lookup"] + out.stats.accepted_by_source["both"]
     if draft == "hybrid":
-        assert from_lookup >= 25  # lookup branches were really drafted and accepted (49 of 1500 runs here)
+        assert from_lookup >= 25  # lookup branches were really drafted and accepted (49 of 1500, on any machine)
     return chi2_pvalue(counts, exact.flatten())
 
 

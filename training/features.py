@@ -1,12 +1,14 @@
 """The frozen backbone's last hidden states: computed per batch, or cached on disk once for all epochs.
 
-What the heads read is ``model(...).hidden_states[-1]``: in transformers 5 that is the final-normed state, so
-``lm_head(hidden_states[-1]) == logits``. Only each sequence's window (``batches.window_start``) is kept.
+What the heads read (``heads.modeling.backbone_features``): ``model(...).hidden_states[-1]`` (in transformers 5 the
+final-normed state, so ``lm_head(hidden_states[-1]) == logits``), or for heads with ``feature_layers`` (EAGLE-3) the
+hidden states at those indices, concatenated. Only each sequence's window (``batches.window_start``) is kept.
 
 Cache layout (``--feature_cache DIR``)::
 
-    DIR/meta.json                 backbone identity, dtype, seq_len, lookback (heads), data fingerprint, shard size
-    DIR/shard-00000.safetensors   hidden [sum W, H] (backbone dtype), rows [n], starts [n], offsets [n+1] (int64)
+    DIR/meta.json                 backbone identity, dtype, feature layers, seq_len, lookback (heads), data fingerprint,
+                                  shard size
+    DIR/shard-00000.safetensors   hidden [sum W, F] (backbone dtype), rows [n], starts [n], offsets [n+1] (int64)
 
 Rows are grouped into shards of ``shard_size`` consecutive dataset rows. Each shard is written under a temp name and
 renamed, so a killed build leaves only complete shards and a rerun builds just the missing ones (resumable); with
@@ -27,6 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from tokenmaxx.heads.modeling import backbone_features
+
 from .batches import Batch, SelfDistilledData, window_start
 
 log = logging.getLogger(__name__)
@@ -35,8 +39,9 @@ FORMAT = 1
 
 
 @torch.no_grad()
-def backbone_hidden(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Final-normed last hidden states of each sequence [T_i] -> [T_i, H], in one right-padded forward."""
+def backbone_hidden(model, sequences: list[torch.Tensor], layers=None) -> list[torch.Tensor]:
+    """What the heads read of each sequence [T_i] -> [T_i, F] (``backbone_features`` at ``layers``; None: the
+    final-normed last states, F = H), in one right-padded forward."""
     lengths = [len(s) for s in sequences]
     input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)  # [B, T] built on the CPU, then moved
     attention_mask = torch.zeros_like(input_ids)  # [B, T]
@@ -47,7 +52,7 @@ def backbone_hidden(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
                 logits_to_keep=1)  # logits of the last position only: the heads need the states, not the logits
-    hidden = out.hidden_states[-1]  # [B, T, H]
+    hidden = backbone_features(out.hidden_states, layers)  # [B, T, F]
     return [hidden[i, :n] for i, n in enumerate(lengths)]
 
 
@@ -62,23 +67,25 @@ def _pad_windows(windows: list[torch.Tensor]) -> torch.Tensor:
 class BackboneFeatures:
     """No cache: run the frozen backbone over each batch's full sequences and keep their windows."""
 
-    def __init__(self, model, data: SelfDistilledData):
-        self.model, self.data = model, data
+    def __init__(self, model, data: SelfDistilledData, layers=None):
+        self.model, self.data, self.layers = model, data, layers
 
-    def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, H]
-        states = backbone_hidden(self.model, [self.data.examples[r].ids for r in batch.rows])
+    def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, F]
+        states = backbone_hidden(self.model, [self.data.examples[r].ids for r in batch.rows], self.layers)
         return _pad_windows([s[start:] for s, start in zip(states, batch.starts)])
 
 
-def cache_meta(model, data: SelfDistilledData, seq_len: int, lookback: int, shard_size: int) -> dict:
+def cache_meta(model, data: SelfDistilledData, seq_len: int, lookback: int, shard_size: int, layers=None) -> dict:
     from tokenmaxx.heads import backbone_identity
 
     ident, revision = backbone_identity(model)
+    hidden = model.get_output_embeddings().weight.shape[1]
     return {"format": FORMAT, "backbone": ident, "backbone_revision": revision,
             "adapter": getattr(model.config, "tokenmaxx_adapter", None),
             "adapter_revision": getattr(model.config, "tokenmaxx_adapter_revision", None),
             "dtype": str(model.get_output_embeddings().weight.dtype).removeprefix("torch."),
-            "hidden_size": model.get_output_embeddings().weight.shape[1], "seq_len": seq_len, "lookback": lookback,
+            "hidden_size": hidden * (len(layers) if layers else 1), "seq_len": seq_len, "lookback": lookback,
+            "feature_layers": list(layers) if layers else None,
             "data_fingerprint": data.fingerprint, "num_rows": data.num_rows, "shard_size": shard_size}
 
 
@@ -130,10 +137,11 @@ class FeatureCache:
     @classmethod
     def build_or_open(cls, folder: str | Path, model, data: SelfDistilledData, seq_len: int, num_heads: int,
                       shard_size: int = 256, batch_size: int = 8, rank: int = 0, world: int = 1,
-                      barrier: Callable[[], None] = lambda: None) -> "FeatureCache":
-        """Open the cache at ``folder``, first building whatever shards are missing (this rank's share of them)."""
+                      barrier: Callable[[], None] = lambda: None, layers=None) -> "FeatureCache":
+        """Open the cache at ``folder``, first building whatever shards are missing (this rank's share of them).
+        ``layers``: the heads' feature layers (None: the final-normed last states)."""
         folder = Path(folder)
-        wanted = cache_meta(model, data, seq_len, num_heads, shard_size)
+        wanted = cache_meta(model, data, seq_len, num_heads, shard_size, layers)
         meta_path = folder / META
         if meta_path.is_file():
             _check_meta(json.loads(meta_path.read_text()), wanted, folder)
@@ -156,7 +164,7 @@ class FeatureCache:
         by_length = sorted(rows, key=lambda r: len(data.examples[r].ids))  # less padding per forward
         for i in range(0, len(by_length), batch_size):
             chunk = by_length[i: i + batch_size]
-            states = backbone_hidden(model, [data.examples[r].ids for r in chunk])
+            states = backbone_hidden(model, [data.examples[r].ids for r in chunk], self.meta.get("feature_layers"))
             for r, s in zip(chunk, states):  # stored from the CPU
                 windows[r] = s[window_start(data.examples[r].prompt_len, lookback):].to("cpu").contiguous()
         hidden_size = self.meta["hidden_size"]

@@ -141,6 +141,10 @@ class HeadsObjective(nn.Module):
                 raise ValueError(f"the loss vocabulary must be distinct token ids, got {self.vocab.numel()} ids with "
                                  f"{distinct} distinct")
         self._tables_key = self._tables = None  # see ``vocab_tables``, and which lm_head weight they were made from
+        if loss != "ce" and heads.feature_layers is not None:
+            raise ValueError(f"loss={loss!r} needs the backbone's own next-token distributions, computed from its "
+                             f"final state, but {heads.config.kind!r} heads read hidden states "
+                             f"{list(heads.feature_layers)}; train them with loss='ce'")
 
     def vocab_tables(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """For ``vocab``: the lm_head rows at it [Vd, H] and token id -> position in it (-1 outside) [V]; built once

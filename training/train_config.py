@@ -65,6 +65,9 @@ class TrainConfig:
     num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions ahead "
                                                         "(mtp: the depths the module is unrolled to)"})
     num_layers: int = field(default=1, metadata={"help": "residual blocks per head (mtp: decoder layers, >= 1)"})
+    feature_layers: list[int] | None = field(default=None, metadata={
+        "help": "kind eagle3: the backbone hidden states the draft fuses (indices; i = the input of layer i); default "
+                "EAGLE-3's (2, L//2, L-3)"})
     share_lm_head: bool = field(default=True, metadata={
         "help": "project with the backbone's frozen lm_head (small checkpoints) instead of a trained copy per head "
                 "(mtp: always)"})

@@ -225,8 +225,9 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     check_frozen_backbone(model, cfg, data, device)
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
+    layers = {"feature_layers": list(cfg.feature_layers)} if cfg.feature_layers else {}
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                              share_lm_head=cfg.share_lm_head)
+                                              share_lm_head=cfg.share_lm_head, **layers)
     tree = parse_tree(heads.config.tree, cfg.num_heads)
     vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None)
@@ -235,9 +236,9 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     _barrier()
     if cfg.feature_cache:  # 6. features
         features = FeatureCache.build_or_open(cfg.feature_cache, model, data, cfg.seq_len, cfg.num_heads,
-                                              rank=rank, world=world, barrier=_barrier)
+                                              rank=rank, world=world, barrier=_barrier, layers=heads.feature_layers)
     else:
-        features = BackboneFeatures(model, data)
+        features = BackboneFeatures(model, data, heads.feature_layers)
     out = Path(cfg.output_dir)
     if rank == 0:
         atomic_write_text(out / "run_config.json", _json({"resolved": cfg.to_dict(), "requested": requested}))

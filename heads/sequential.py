@@ -1,0 +1,263 @@
+"""Sequential draft heads: one small module unrolled over depths, each guess conditioned on the last (MTP, EAGLE).
+
+Depth d of the module reads, for an *anchor* position a (a backbone position whose features are known), the state
+before it and the embedding of the token at a+d. At d = 1 the state is the backbone's, lifted into the module
+(``lift``: the final-normed last state as it is for MTP heads, a fusion of three layers for EAGLE-3 heads); after
+that it is the module's own output at depth d-1, and the token is the one guessed at depth d-1. Depth d at anchor a
+predicts the token at a+d+1, the same offset rule as Medusa head k = d. Logits: the module's final norm, then the
+backbone's frozen lm_head (over the draft vocabulary when the heads have one).
+
+Attention (the same at training and at inference): a depth-1 query at anchor a sees the depth-1 entries of anchors
+<= a (ordinary causal attention, the module's own KV cache at inference); a depth-d query additionally sees the
+depth-2..d entries of its own chain (a draft tree node sees its ancestors). Query position ids are a + d - 1.
+
+A kind built on this (``mtp.py``, ``eagle3.py``) says how the module is made and what one pass does: ``lift``,
+``step``, ``norm``. Everything else is shared here: the training-time unroll over all depths (``unrolled_states``),
+the dynamic trees it drafts (``SequentialDrafter``), the kind's tree settings and checks.
+
+Letters: B batch, T time, D depths, H hidden size, F backbone feature size, V vocabulary, n queries, C cached entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .attention import shared_kv_kwargs
+from .draft_vocab import DraftVocab
+from .drafting import HEADS, Draft, Outcome, Prefill
+from .dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
+from .modeling import DraftHeads
+
+
+class SequentialHeads(DraftHeads):
+    """Base of the sequential kinds: a module unrolled over ``config.num_heads`` depths, weights shared across them.
+    Subclasses build ``self.norm`` (the final norm) and implement ``lift`` and ``step``."""
+
+    own_lm_head = False  # predicts through the backbone's frozen lm_head
+    norm: nn.Module
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The module's compute dtype (its weights')."""
+        return self.norm.weight.dtype
+
+    def lift(self, features: torch.Tensor) -> torch.Tensor:
+        """Backbone features [..., F] (``backbone_features``) -> the depth-1 state the module reads [..., H]."""
+        raise NotImplementedError
+
+    def step(self, prev: torch.Tensor, tokens: torch.Tensor, embed: nn.Module, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache=None, **attention_kwargs) -> torch.Tensor:
+        """One module pass. prev [B, n, H] states before (lifted backbone features or own output), tokens [B, n] the
+        token each query is conditioned on, position_ids [B, n], attention_mask [B or 1, 1, n, C+n] additive (None:
+        causal). Appends the queries' K/V to ``cache`` when given. ``attention_kwargs`` go to the attention function
+        (``attention.shared_kv_kwargs``). Returns output states [B, n, H] (before ``norm``)."""
+        raise NotImplementedError
+
+    def logits(self, states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Output states [..., H] -> logits [..., V] through the final norm and the backbone's lm_head."""
+        return lm_head(self.norm(states))
+
+    # ---- training: all D depths at every anchor ------------------------------------------------------------------
+    def unrolled_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
+                        depths: int | None = None) -> torch.Tensor:
+        """Training-time unroll. hidden [B, T, F] backbone features, input_ids [B, T] (right-padded).
+
+        Depth d at anchor a is conditioned on the true token at a+d and on the module's OWN depth d-1 output (the
+        situation at inference along a correct draft path). Returns final-normed states [D, B, T, H]; row d-1 at a
+        predicts the token at a+d+1 (positions whose inputs run past the sequence hold garbage: mask them).
+        """
+        depths = depths or self.config.num_heads
+        bsz, seq, _ = hidden.shape
+        cache = DynamicCache()
+        anchors = torch.arange(seq, device=hidden.device)
+        causal = anchors[None, :] <= anchors[:, None]  # [T, T]
+        diagonal = torch.eye(seq, dtype=torch.bool, device=hidden.device)
+        dtype = self.dtype
+        prev, outs = self.lift(hidden), []
+        for d in range(1, depths + 1):
+            shifted = torch.zeros_like(input_ids)
+            if d < seq:
+                shifted[:, : seq - d] = input_ids[:, d:]  # token at a+d
+            visible = torch.cat([causal] + [diagonal] * (d - 1), dim=1)  # [T, d*T]: depth-1 causal + own chain
+            mask = torch.zeros(visible.shape, dtype=dtype, device=hidden.device)
+            mask.masked_fill_(~visible, torch.finfo(dtype).min)
+            prev = self.step(prev, shifted, embed, (anchors + d - 1)[None].expand(bsz, seq), mask[None, None], cache)
+            outs.append(self.norm(prev))
+        return torch.stack(outs)
+
+    def training_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module | None,
+                        selected: torch.Tensor | None = None) -> torch.Tensor:
+        """The training unroll (``unrolled_states``) over all of [B, T] (each depth attends over the sequence and
+        reads the tokens), then the rows at the selected [B, T] positions: [D, n, H] (all: [D, B, T, H])."""
+        if embed is None or input_ids is None:
+            raise ValueError(f"{self.kind!r} heads read tokens: pass input_ids [B, T] and the backbone's input "
+                             "embedding as embed=model.get_input_embeddings()")
+        states = self.unrolled_states(hidden, input_ids, embed)
+        return states if selected is None else states[:, selected]
+
+    # ---- drafting -------------------------------------------------------------------------------------------------
+    def drafter(self, model, tree=None, draft_vocab: bool = True) -> "SequentialDrafter":
+        return SequentialDrafter(self, model, self.tree_settings(self.config, tree), draft_vocab=draft_vocab)
+
+    @classmethod
+    def tree_settings(cls, config, spec=None) -> DynamicTreeConfig:
+        """Dynamic-tree settings from ``spec``: None (the config's, else the defaults), 'default', 'dynamic',
+        'dynamic:N' (N nodes), 'dynamic:nodes=N,topk=K,depth=D,min_mass=M', a dict or a DynamicTreeConfig."""
+        spec = spec if spec is not None else config.dynamic_tree
+        if spec is None or spec == "default":
+            return DynamicTreeConfig()
+        if isinstance(spec, DynamicTreeConfig):
+            return spec
+        if isinstance(spec, dict):
+            return DynamicTreeConfig.from_dict(spec)
+        if isinstance(spec, str) and spec.startswith("dynamic"):
+            return DynamicTreeConfig.parse(spec)
+        raise ValueError(f"tree {spec!r}: {config.kind!r} heads draft dynamic trees; pass 'dynamic', 'dynamic:N' "
+                         "(N nodes) or 'dynamic:nodes=N,topk=K,depth=D'")
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if not config.share_lm_head:
+            raise ValueError(f"{config.kind!r} heads predict through the backbone's frozen lm_head: share_lm_head "
+                             "must be true")
+        if config.tree is not None:
+            raise ValueError(f"{config.kind!r} heads draft dynamic trees (HeadsConfig.dynamic_tree): tree must be None")
+
+    @classmethod
+    def card_sections(cls, config) -> dict[str, str]:
+        dynamic = cls.tree_settings(config)
+        section = (f"Dynamic: grown level by level (frontier = the {dynamic.topk} best nodes by cumulative "
+                   f"log-probability, each\nexpanded with its {dynamic.topk} best children, at most "
+                   f"{dynamic.depth or config.num_heads} levels, a level drafted only while its frontier holds at "
+                   f"least\n{dynamic.min_mass} of the draft's probability), then the {dynamic.nodes} best nodes "
+                   "(root included) are verified. `tree=\"auto\"` picks the node budget with the best measured "
+                   "tokens/s on your machine.")
+        return {"tau_note": "", "tree_section": section}
+
+
+
+class SequentialDrafter:
+    """Drafts dynamic trees (``dynamic_tree.expand_tree``) with sequential heads; owns the module's KV cache (depth-1
+    entries of accepted anchors).
+
+    Use: ``start`` after the backbone's prefill, then per round ``propose`` -> (verify, accept, commit) -> ``observe``
+    (which adds the accepted positions to the module cache through ``advance``).
+    """
+
+    def __init__(self, heads: SequentialHeads, model, config: DynamicTreeConfig, draft_vocab: bool = True):
+        self.heads, self.config = heads, config
+        self.feature_layers = heads.feature_layers  # what the loop hands to start / observe as backbone states
+        self.embed = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        self.device = self.lm_head.weight.device  # the backbone's and the heads': drafts and module cache live there
+        self.use_vocab = bool(draft_vocab) and heads.draft_vocab is not None
+        self.vocab: DraftVocab | None = None  # a DraftVocab, or None (all tokens)
+        self.attention = shared_kv_kwargs(model)  # the module's layer is built from the backbone's config
+        self.depth = config.depth or heads.config.num_heads
+        self.cache = DynamicCache()
+        self.next_position = 0  # position id of the next anchor
+        self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
+
+    @property
+    def nodes(self) -> int:
+        """The node budget of one round (root included)."""
+        return self.config.nodes
+
+    def describe(self) -> str:
+        return f"dynamic tree, {self.config.nodes} nodes"
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             visible: torch.Tensor) -> torch.Tensor:
+        """Module pass for n queries. prev [n, H], tokens [n] and positions [n] on the device; visible [n, C+n] bool
+        over (cache, queries), built on the CPU. Returns states [n, H]."""
+        dtype = self.heads.dtype
+        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+n]
+        mask[0, 0].masked_fill_(~visible.to(self.device), torch.finfo(dtype).min)
+        return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache,
+                               **self.attention)[0]
+
+    def start(self, prefill: Prefill) -> None:
+        """After the prefill: the module reads the end of the prompt.
+
+        Like training (whose windows start K+1 positions before the answer), the module's context starts at anchor
+        max(0, P - 1 - K) rather than at the beginning of a long prompt.
+        """
+        self.vocab = DraftVocab.for_prompt(self.heads.draft_vocab, self.lm_head, prefill.input_ids) \
+            if self.use_vocab else None
+        input_ids, hidden = prefill.input_ids, prefill.hidden
+        prompt_len = input_ids.shape[0]
+        first = max(0, prompt_len - 1 - self.heads.config.num_heads)
+        self.cache = DynamicCache()
+        self.next_position = first
+        nxt = torch.cat([input_ids[first + 1:], torch.tensor([prefill.root], dtype=torch.long, device=self.device)])
+        self.advance(hidden[first:], nxt)
+
+    def observe(self, outcome: Outcome) -> None:
+        """The module cache learns the accepted positions."""
+        self.advance(outcome.hidden, torch.tensor(outcome.tokens, device=self.device))
+
+    def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Add anchors: hidden [n, F] backbone features at the next n positions, next_tokens [n] the token after
+        each."""
+        n, cached = hidden.shape[0], self.cached
+        visible = torch.ones(n, cached + n, dtype=torch.bool, device="cpu")  # [n, C+n]
+        visible[:, cached:] = torch.ones(n, n, dtype=torch.bool, device="cpu").tril()
+        positions = torch.arange(self.next_position, self.next_position + n, device=self.device)  # [n]
+        states = self._run(self.heads.lift(hidden.to(self.heads.dtype)), torch.as_tensor(next_tokens, dtype=torch.long, device=self.device), positions,
+                           visible)
+        self.next_position += n
+        self.last_state = states[-1]
+
+    def _logprobs(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft log-probs [..., V] (or [..., Vd] over the draft vocabulary) of module output states [..., H]."""
+        if self.vocab is None:
+            logits = self.heads.logits(states, self.lm_head)
+        else:
+            logits = self.vocab.logits(self.heads.norm(states))
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def propose(self, root: int, room: int) -> Draft:
+        """A dynamic tree below ``root`` at most ``room`` deep. Leaves the module cache as it found it."""
+        depth = min(self.depth, room)
+        if depth <= 0 or self.config.nodes <= 1:
+            return Draft.root_only(root, self.device)
+        cached = self.cached
+        anchor = self.next_position - 1  # the newest anchor's position: a depth-d node's query sits at anchor + d
+        entry: dict[int, int] = {}  # expanded candidate -> its module cache entry (counted from ``cached``)
+        output: dict[int, torch.Tensor] = {}  # expanded candidate -> output state of its query [H]
+
+        def child_logprobs(frontier: list[int], cands: Candidates) -> torch.Tensor:
+            entries, f = len(entry), len(frontier)
+            visible = torch.zeros(f, cached + entries + f, dtype=torch.bool, device="cpu")  # [F, C+E+F]
+            visible[:, :cached] = True  # accepted anchors (including this chain's depth-1 entry)
+            for row, c in enumerate(frontier):
+                p = cands.parent[c]
+                while p >= 0:  # ancestors' entries: every ancestor of a frontier node was expanded
+                    visible[row, cached + entry[p]] = True
+                    p = cands.parent[p]
+                visible[row, cached + entries + row] = True
+            prev = torch.stack([output[cands.parent[c]] if cands.parent[c] >= 0 else self.last_state
+                                for c in frontier])  # [F, H]
+            toks = torch.tensor([cands.tokens[c] for c in frontier], dtype=torch.long, device=self.device)  # [F]
+            positions = torch.tensor([anchor + cands.level[c] for c in frontier], device=self.device)  # [F]
+            out = self._run(prev, toks, positions, visible)  # [F, H]
+            for row, c in enumerate(frontier):
+                entry[c] = entries + row
+                output[c] = out[row]
+            return self._logprobs(out)  # [F, V or Vd]
+
+        try:
+            grown = expand_tree(root, self._logprobs(self.last_state), child_logprobs, self.config.topk, depth,
+                                self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
+                                min_mass=self.config.min_mass)
+        finally:
+            if self.cached > cached:  # drop the tree's entries (crop takes a negative count in transformers 5)
+                self.cache.crop(cached - self.cached)
+        return Draft(tokens=grown.tokens, buffers=grown.buffers, sources=torch.full_like(grown.tokens, HEADS),
+                     values=grown.scores.exp())

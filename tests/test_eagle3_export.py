@@ -1,0 +1,206 @@
+"""The EAGLE-3 export against what vLLM's and SGLang's loaders read, and back into tokenmaxx with identical drafts.
+
+No serving engine runs on these machines (they need GPUs), so the loaders' rules are written out here from their
+source at pinned commits and applied to the export: every tensor must land on a parameter of the engine's draft model
+with that parameter's shape, every parameter the engine needs must be filled (vLLM at this commit does not report a
+missing one itself: its load_weights returns nothing, so the loader's own check never runs), and the config keys the
+engines read must be there with usable values.
+"""
+
+import json
+
+import pytest
+import torch
+from helpers import random_eagle3, random_mtp, tiny_model
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tiny_tokenizer import tiny_tokenizer
+
+from tokenmaxx.heads import Eagle3Heads, export_eagle3, load_backbone, load_eagle3
+from tokenmaxx.heads.eagle3_export import ExportError
+from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.scripts import export_heads
+
+# vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at this commit (>= v0.16 development, 2026):
+# Eagle3LlamaForCausalLM.load_weights / LlamaModel.load_weights / the modules' parameters.
+VLLM_COMMIT = "00bd1493b3e82d6c13c68ee8a0e1c5a96707e190"
+# sgl-project/sglang python/sglang/srt/models/llama_eagle3.py at this commit: LlamaForCausalLMEagle3.load_weights.
+SGLANG_COMMIT = "03d5a7771f6082e7737a5f19cae7d1e863087013"
+STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+
+def vllm_parameters(cfg: dict) -> dict[str, tuple]:
+    """The draft model's parameters in vLLM (name -> shape), from the config as vLLM builds the modules."""
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, inter = cfg.get("head_dim") or hidden // heads, cfg["intermediate_size"]
+    fc_in = cfg.get("target_hidden_size", hidden) * 3
+    layer = "model.layers.0."
+    return {"model.embed_tokens.weight": (cfg["vocab_size"], hidden), "model.fc.weight": (hidden, fc_in),
+            layer + "self_attn.qkv_proj.weight": ((heads + 2 * kv) * head_dim, 2 * hidden),
+            layer + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            layer + "mlp.gate_up_proj.weight": (2 * inter, hidden), layer + "mlp.down_proj.weight": (hidden, inter),
+            layer + "input_layernorm.weight": (hidden,), layer + "post_attention_layernorm.weight": (hidden,),
+            layer + "hidden_norm.weight": (hidden,), "model.norm.weight": (hidden,),
+            "lm_head.weight": (cfg["draft_vocab_size"], hidden), "draft_id_to_target_id": (cfg["draft_vocab_size"],)}
+
+
+def vllm_load(state: dict, cfg: dict) -> dict[str, tuple]:
+    """vLLM's renaming of the checkpoint's tensors (t2d skipped, d2t -> draft_id_to_target_id, "model." before all
+    but lm_head, "midlayer." -> "layers.0.", q/k/v and gate/up stacked into shards); returns parameter -> the shape
+    the loaded shards fill, raising KeyError on a tensor with no parameter (as vLLM's params_dict[name] does)."""
+    params, filled = vllm_parameters(cfg), {}
+    for name, tensor in state.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name = name.replace("d2t", "draft_id_to_target_id")
+        elif "lm_head" not in name:
+            name = "model." + name
+        name = name.replace("midlayer.", "layers.0.")
+        for param, shard, _ in STACKED:
+            if shard in name:
+                name = name.replace(shard, param)
+                rows = filled.get(name, (0,) + tuple(tensor.shape[1:]))
+                filled[name] = (rows[0] + tensor.shape[0],) + tuple(tensor.shape[1:])
+                break
+        else:
+            filled[name] = tuple(tensor.shape)
+        if name not in params:
+            raise KeyError(f"vLLM has no parameter {name}")
+    return filled
+
+
+def sglang_load(state: dict) -> set[str]:
+    """SGLang's mapping: d2t -> hot_token_id, t2d skipped, a name not found gets "model." (unknown ones are silently
+    dropped, so the test checks that everything was used)."""
+    used = set()
+    for name in state:
+        if name in ("d2t", "t2d"):
+            used.add(name)
+            continue
+        for param, shard, _ in STACKED:
+            name = name.replace(shard, param)
+        used.add(name if name == "lm_head.weight" else f"model.{name}")
+    return used
+
+
+def _export(tmp_path, vocab=range(3, 70), dtype="float32"):
+    model = tiny_model("llama", num_hidden_layers=8)  # deep enough for EAGLE-3's default layers (2, 4, 5)
+    heads = Eagle3Heads.for_backbone(model, num_heads=3)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    if vocab is not None:
+        heads.set_draft_vocab(vocab)
+    return model, heads.eval(), export_eagle3(heads, model, tmp_path / "export", dtype=dtype)
+
+
+def _read(folder):
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    return state, json.loads((folder / "config.json").read_text())
+
+
+def test_the_export_fills_every_parameter_vllm_and_sglang_load(tmp_path):
+    model, heads, out = _export(tmp_path)
+    state, cfg = _read(out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    filled = vllm_load(state, cfg)
+    params = vllm_parameters(cfg)
+    assert set(params) - set(filled) == {"model.embed_tokens.weight"}  # shared from the target, by design
+    assert all(filled[name] == params[name] for name in filled), {n: (filled[n], params[n]) for n in filled}
+    assert sglang_load(state) == {"d2t", "t2d", "lm_head.weight", "model.fc.weight", "model.norm.weight",
+                                  *(f"model.midlayer.{n}" for n in (
+                                      "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+                                      "self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+                                      "mlp.gate_up_proj.weight", "mlp.down_proj.weight"))}
+    # the vocabulary map: target id = draft id + d2t (vLLM draft_id_to_target_id, SGLang hot_token_id, EAGLE)
+    d2t, t2d = state["d2t"], state["t2d"]
+    ids = torch.arange(d2t.numel()) + d2t
+    assert d2t.dtype == torch.int64 and torch.equal(ids, torch.arange(3, 70))
+    assert t2d.dtype == torch.bool and t2d.shape == (96,) and int(t2d.sum()) == 67 and bool(t2d[ids].all())
+    assert torch.equal(state["lm_head.weight"], model.lm_head.weight[ids])
+
+
+def test_the_config_has_what_the_engines_read(tmp_path):
+    model, heads, out = _export(tmp_path)
+    _, cfg = _read(out)
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang's class; vLLM keeps names ending in Eagle3
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["draft_vocab_size"]) == \
+        ("llama", 1, 96, 67)
+    assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False  # SGLang ties if true
+    assert cfg["max_position_embeddings"] == model.config.max_position_embeddings  # drafts the whole context
+    assert cfg["rope_theta"] == model.config.rope_parameters["rope_theta"] and cfg["rope_scaling"] is None
+    assert {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "hidden_act", "rms_norm_eps")} == \
+        {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 8, "hidden_act": "silu", "rms_norm_eps": model.config.rms_norm_eps}
+    # default layers (2, L//2, L-3): no aux-layer keys, so vLLM's and SGLang's defaults apply and agree
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg and "eagle_config" not in cfg and "target_hidden_size" not in cfg
+
+
+def test_other_feature_layers_are_written_in_both_engines_conventions(tmp_path):
+    model = tiny_model("llama")
+    heads = random_eagle3(model)  # layers (0, 1, 2): not the default
+    _, cfg = _read(export_eagle3(heads, model, tmp_path / "e"))
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # vLLM: the input of layer i
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [-1, 0, 1], "use_aux_hidden_state": True}
+
+
+@pytest.mark.parametrize("vocab", [range(3, 70), None], ids=["draft_vocab", "full_vocab"])
+def test_the_export_imports_back_with_identical_drafts(tmp_path, vocab):
+    model, heads, out = _export(tmp_path, vocab=vocab)
+    back = load_eagle3(out, model)
+    assert back.state_dict().keys() == heads.state_dict().keys()
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in heads.state_dict().items())
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9, 10, 11]])
+    runs = []
+    for h in (heads, back):
+        gen = SpeculativeGenerator(model, h, draft="heads")
+        drafter = gen.make_drafter()
+        out_ = gen.generate(prompt, max_new_tokens=20)
+        runs.append((out_.new_tokens, out_.stats.accepted_hist, drafter.feature_layers))
+    assert runs[0] == runs[1] and runs[0][2] == (2, 4, 5)
+
+
+def test_bad_exports_and_imports_are_refused(tmp_path):
+    model, heads, out = _export(tmp_path)
+    with pytest.raises(ExportError, match="exists and is not an empty folder"):
+        export_eagle3(heads, model, out)
+    assert export_eagle3(heads, model, out, overwrite=True) == out
+    mtp_model = tiny_model("llama")
+    with pytest.raises(ExportError, match="only eagle3 heads export to the eagle3 format; these are 'mtp' heads"):
+        export_eagle3(random_mtp(mtp_model), mtp_model, tmp_path / "mtp")
+    assert not (tmp_path / "mtp").exists()
+    state, cfg = _read(out)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(ExportError, match="expected architectures"):
+        load_eagle3(bad, model)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file({**state, "lm_head.weight": state["lm_head.weight"] * 2}, str(bad / "model.safetensors"))
+    with pytest.raises(ExportError, match="a separately trained one cannot be imported"):
+        load_eagle3(bad, model)
+    save_file({k: v for k, v in state.items() if k != "norm.weight"}, str(bad / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"\['norm.weight'\] are missing or unexpected"):
+        load_eagle3(bad, model)
+
+
+def test_the_export_command(tmp_path, capsys):
+    path = tmp_path / "backbone"
+    tiny_model("llama", num_hidden_layers=8).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    model, _ = load_backbone(str(path), device="cpu")
+    heads = Eagle3Heads.for_backbone(model, num_heads=2)
+    heads.save_pretrained(tmp_path / "heads")
+    assert export_heads.main(["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "out")]) == 0
+    assert "wrote eagle3 checkpoint" in capsys.readouterr().out
+    state, cfg = _read(tmp_path / "out")
+    assert cfg["torch_dtype"] == "bfloat16" and state["fc.weight"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown --format 'gguf'"):
+        export_heads.main(["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "o2"),
+                           "--format", "gguf"])
