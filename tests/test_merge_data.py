@@ -9,6 +9,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+import torch
 
 from helpers import tiny_model
 from tiny_tokenizer import tiny_tokenizer
@@ -56,8 +57,10 @@ def test_merge_keeps_rows_in_order_and_merges_provenance(parts, tmp_path):
 
 
 def test_merge_refuses_bad_parts_and_outputs(parts, tmp_path):
-    with pytest.raises(ValueError, match="at least two"):
-        merge_data(parts[:1], tmp_path / "one")
+    with pytest.raises(ValueError, match="at least one"):
+        merge_data([], tmp_path / "none")
+    with pytest.raises(ValueError, match="token_dtype must be int64 or int32"):
+        merge_data(parts, tmp_path / "x", token_dtype="int8")
     with pytest.raises(FileNotFoundError, match="do not exist"):
         merge_data([parts[0], tmp_path / "nowhere"], tmp_path / "x")
     with pytest.raises(ValueError, match="is one of the parts"):
@@ -77,6 +80,19 @@ def test_merge_refuses_bad_parts_and_outputs(parts, tmp_path):
     with pytest.raises(FileExistsError, match="exists"):
         merge_data(parts, tmp_path / "mix")
     assert len(merge_data(parts[::-1], tmp_path / "mix", overwrite=True)) == 5
+
+
+def test_a_compact_copy_of_one_part_trains_the_same(parts, tmp_path):
+    """int32 token ids: the same rows, the same data fingerprint (what checkpoints are tied to), half the bytes."""
+    copy = merge_data(parts[1:], tmp_path / "compact", token_dtype="int32")
+    assert copy.features["answer_ids"].feature.dtype == "int32"
+    original = datasets.load_from_disk(str(parts[1]))
+    assert list(copy["answer_ids"]) == list(original["answer_ids"])
+    a = load_data(parts[1], seq_len=64, eval_fraction=0.2, eval_max_examples=8, seed=0)
+    b = load_data(tmp_path / "compact", seq_len=64, eval_fraction=0.2, eval_max_examples=8, seed=0)
+    assert a.fingerprint == b.fingerprint and all(torch.equal(a.examples[r].ids, b.examples[r].ids) for r in a.examples)
+    merged = merge_data([tmp_path / "compact", parts[0]], tmp_path / "back")  # int32 parts merge back to int64
+    assert merged.features["prompt_ids"].feature.dtype == "int64" and len(merged) == 5
 
 
 def test_merge_script(parts, tmp_path, capsys):

@@ -173,6 +173,20 @@ def test_train_eagle3_heads_from_three_cached_layers(tmp_path, backbone_dir, dat
         train(make_cfg(data_dir, tmp_path / "mtp", kind="mtp", feature_cache=str(cache)), model=model)
 
 
+def test_the_step_profile_accounts_for_every_phase(tmp_path, backbone_dir, data_dir, capsys):
+    from tokenmaxx.scripts import profile_training
+
+    argv = ["--data", str(data_dir), "--backbone", str(backbone_dir), "--kind", "eagle3", "--feature_layers", "0", "1",
+            "2", "--dtype", "float32", "--num_heads", "2", "--seq_len", "48", "--micro_batch_size", "4",
+            "--grad_accum", "2", "--draft_vocab_size", "40", "--steps", "2", "--warmup", "1",
+            "--feature_cache", str(tmp_path / "features")]
+    assert profile_training.main(argv) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(record["share"]) == set(profile_training.PHASES) and abs(sum(record["share"].values()) - 1) < 0.01
+    assert record["positions_per_s"] > 0 and record["positions_per_step"] > 0
+    assert (tmp_path / "features" / "meta.json").is_file()
+
+
 def test_train_over_the_draft_vocabulary(tmp_path, backbone_dir, data_dir):
     """--loss_vocab draft: trains (loss falls), exports the same vocabulary it trained on, resumes bit-identically,
     and a checkpoint made over the whole vocabulary is refused."""

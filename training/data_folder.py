@@ -13,9 +13,17 @@ from pathlib import Path
 import datasets
 import pyarrow.compute as pc
 
-FEATURES = datasets.Features({"prompt": datasets.Value("string"),
-                              "prompt_ids": datasets.List(datasets.Value("int64")),
-                              "answer_ids": datasets.List(datasets.Value("int64"))})
+def features(token_dtype: str = "int64") -> datasets.Features:
+    """The columns of a self-distilled dataset; token ids as int64 (what make_data writes) or int32 (half the disk,
+    for a copy kept in git: ``merge_data --token_dtype int32``)."""
+    if token_dtype not in ("int64", "int32"):
+        raise ValueError(f"token_dtype must be int64 or int32, got {token_dtype!r}")
+    return datasets.Features({"prompt": datasets.Value("string"),
+                              "prompt_ids": datasets.List(datasets.Value(token_dtype)),
+                              "answer_ids": datasets.List(datasets.Value(token_dtype))})
+
+
+FEATURES = features()
 TMP_PREFIX = ".tmp-"  # anything named so in the output folder is unfinished and removed on the next run
 SETTINGS_NAME, PROVENANCE_NAME, SHARDS_DIR = "settings.json", "provenance.json", "shards"
 

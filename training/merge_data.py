@@ -16,13 +16,14 @@ from pathlib import Path
 import datasets
 
 from .batches import read_provenance
-from .data_folder import FEATURES, PROVENANCE_NAME, TMP_PREFIX, count_answer_tokens, quiet_datasets, remove, write_json
+from .data_folder import (FEATURES, PROVENANCE_NAME, TMP_PREFIX, count_answer_tokens, features, quiet_datasets, remove,
+                          write_json)
 
 MUST_AGREE = ("backbone", "backbone_revision", "eos_token_id")  # answers of another backbone are another target
 COUNTED = ("num_records", "answer_tokens")  # counted on the merged rows
 
 
-def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
+def _read_part(path: Path, wanted: datasets.Features = FEATURES) -> tuple[datasets.Dataset, dict]:
     if not (path / PROVENANCE_NAME).is_file():
         raise FileNotFoundError(f"{path} has no {PROVENANCE_NAME}: expected a folder written by make_data "
                                 "(scripts/make_data.py)")
@@ -32,10 +33,10 @@ def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
         raise ValueError(f"{path} holds splits {list(dataset)}; merge_data takes make_data outputs (one Dataset each)")
     if missing := sorted(set(FEATURES) - set(dataset.column_names)):
         raise ValueError(f"{path} lacks columns {missing}; it has {dataset.column_names}")
-    dataset = dataset.select_columns(list(FEATURES))
-    if dataset.features != FEATURES:
+    dataset = dataset.select_columns(list(wanted))
+    if dataset.features != wanted:
         with quiet_datasets():
-            dataset = dataset.cast(FEATURES)
+            dataset = dataset.cast(wanted)
     return dataset, provenance
 
 
@@ -53,10 +54,14 @@ def merged_provenance(parts: Sequence[tuple[str, dict]], dataset: datasets.Datas
             "parts": [{"path": path, **r} for path, r in parts]}
 
 
-def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: bool = False) -> datasets.Dataset:
-    """Concatenate make_data outputs ``parts`` into ``output_dir`` (refused if it exists, unless ``overwrite``)."""
-    if len(parts) < 2:
-        raise ValueError(f"merge_data needs at least two datasets, got {len(parts)}")
+def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: bool = False,
+               token_dtype: str = "int64") -> datasets.Dataset:
+    """Concatenate make_data outputs ``parts`` into ``output_dir`` (refused if it exists, unless ``overwrite``).
+
+    One part is a copy (with ``token_dtype="int32"``: a compact copy, e.g. to keep finished parts in git)."""
+    wanted = features(token_dtype)
+    if not parts:
+        raise ValueError("merge_data needs at least one dataset")
     out = Path(output_dir)
     paths = [Path(p) for p in parts]
     if missing := [str(p) for p in paths if not p.is_dir()]:
@@ -65,7 +70,7 @@ def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: b
         raise ValueError(f"the output {out} is one of the parts; choose a new folder")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new folder or pass --overwrite")
-    loaded = [_read_part(p) for p in paths]
+    loaded = [_read_part(p, wanted) for p in paths]
     dataset = datasets.concatenate_datasets([d for d, _ in loaded])
     provenance = merged_provenance([(str(p), prov) for p, (_, prov) in zip(paths, loaded)], dataset)
     dataset.info.description = json.dumps(provenance, sort_keys=True)

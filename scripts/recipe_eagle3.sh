@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Heads v2 for the default backbone (smollm2-135m): EAGLE-3 heads distilled on the prompt mix, in resumable stages.
+#
+#   1. prompts   scripts/make_prompts.py: the mix (every ShareGPT user turn in its real context + summarise /
+#                translate / answer-from-passages / word-problem prompts), in parts of 2,048 (data/mix/prompts-NNN)
+#   2. answers   make_data per part, in order, until PARTS parts are done (each part resumes where it stopped;
+#                finished parts are never redone); a finished part's compact copy goes to distilled/smollm2-mix/part-NNN
+#                (committed; parts found there are not answered again)
+#   3. merge     merge_data of the finished parts -> data/mix/merged (remade when the part count changed)
+#   4. train     train_heads --kind eagle3 with a feature cache (three layers' states), --resume when a checkpoint
+#                exists; export to $EXPORT
+#
+# Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
+# train; default train), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
+# RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts). Costs on the 2-core CPU (session 12): the mix builds in ~1.5 min; answers ~137 tokens/s (the mix's
+# prompts are long: multi-turn context, passages), ~45 min a part; on a GPU (DEVICE=cuda) minutes in all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PARTS=${PARTS:-6}
+STAGE=${STAGE:-train}
+DEVICE=${DEVICE:-auto}
+EXCLUDE=${EXCLUDE:-../shared/bench}
+MIX=${MIX:-data/mix}
+KEPT=${KEPT:-distilled/smollm2-mix}
+RUN=${RUN:-runs/smollm2-eagle3}
+EXPORT=${EXPORT:-$RUN/heads}
+
+# 1. prompts (deterministic: the same parts on every machine)
+if [ ! -f "$MIX/mix.json" ]; then
+  "$PY" scripts/make_prompts.py --output_dir "$MIX" --exclude "$EXCLUDE"
+fi
+[ "$STAGE" = prompts ] && exit 0
+
+# 2. answers, part by part; each finished part is also kept as a compact copy (int32 token ids) in $KEPT, which is
+#    committed to git: a later session or a user retrains from it without answering those prompts again
+DONE=()
+for p in $(seq -f "%03g" 0 $((PARTS - 1))); do
+  if [ -f "$KEPT/part-$p/provenance.json" ]; then DONE+=("$KEPT/part-$p"); continue; fi
+  "$PY" scripts/make_data.py --output_dir "$MIX/part-$p" --sources "$MIX/prompts-$p.jsonl" --whole_conversation true \
+    --exclude "$EXCLUDE" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE" --max_new_tokens 256 \
+    --batch_size 32
+  "$PY" scripts/merge_data.py "$MIX/part-$p" --output_dir "$KEPT/part-$p" --token_dtype int32
+  DONE+=("$KEPT/part-$p")
+done
+[ "$STAGE" = answers ] && exit 0
+
+# 3. merge the finished parts
+"$PY" scripts/merge_data.py "${DONE[@]}" --output_dir "$MIX/merged" --overwrite
+[ "$STAGE" = merge ] && exit 0
+
+# 4. train and export (--resume continues bit-identically from the newest checkpoint)
+RESUME=()
+if [ -f "$RUN/checkpoints/latest" ]; then RESUME=(--resume); fi
+"$PY" scripts/train_heads.py --data "$MIX/merged" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE" \
+  --kind eagle3 --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum 4 --epochs 3 --lr 1e-3 --warmup 100 \
+  --loss ce --head_decay 0.8 --draft_vocab_size 16384 --loss_vocab draft --feature_cache "$RUN/features" \
+  --save_every 200 --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT" "${RESUME[@]}"
+echo "heads exported to $EXPORT; metrics in $RUN/metrics.jsonl"

@@ -1,0 +1,47 @@
+"""The self-distilled data kept in git (distilled/): it loads as the trainer reads it, says where it came from, is
+compact, and holds no benchmark prompt."""
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+
+from tokenmaxx.heads import BACKBONES
+from tokenmaxx.training.batches import load_data
+from tokenmaxx.training.data import load_exclusions, normalize
+from tokenmaxx.training.data_folder import count_answer_tokens
+
+REPO = Path(__file__).resolve().parents[1]
+KEPT = REPO / "distilled"
+PARTS = sorted(KEPT.glob("*/part-*"))
+LIMIT = 30 * 1024 * 1024  # what the repository may carry of it
+
+
+def test_the_kept_data_is_small_enough():
+    assert PARTS, f"no data parts under {KEPT}"
+    size = sum(f.stat().st_size for f in KEPT.rglob("*") if f.is_file())
+    assert size <= LIMIT, f"distilled/ holds {size / 2**20:.1f} MiB, over {LIMIT / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("part", PARTS, ids=[p.name for p in PARTS])
+def test_each_part_loads_with_its_provenance(part):
+    provenance = json.loads((part / "provenance.json").read_text())
+    spec = BACKBONES["smollm2-135m"]
+    assert (provenance["backbone"], provenance["backbone_revision"]) == ("smollm2-135m", spec.sha256)
+    assert provenance["sampling"] == {"greedy": True} and provenance["dtype"] == "bfloat16"
+    dataset = datasets.load_from_disk(str(part))
+    assert dataset.features["answer_ids"].feature.dtype == "int32"  # the compact copy
+    assert provenance["num_records"] == len(dataset) and provenance["answer_tokens"] == count_answer_tokens(dataset)
+    data = load_data(part, seq_len=768, eval_fraction=0.05, eval_max_examples=64, seed=0)
+    assert data.num_rows == len(dataset) and len(data.train) > 0.9 * len(dataset)
+
+
+@pytest.mark.parametrize("part", PARTS, ids=[p.name for p in PARTS])
+def test_no_benchmark_prompt_was_answered(part):
+    bench = REPO.parent / "shared" / "bench"
+    if not bench.is_dir():
+        pytest.skip(f"{bench} is not on this machine")
+    excluded = load_exclusions([str(bench)])
+    prompts = datasets.load_from_disk(str(part))["prompt"]
+    assert not [p for p in prompts if normalize(p) in excluded]
