@@ -30,6 +30,8 @@ def test_each_part_loads_with_its_provenance(part):
     spec = BACKBONES["smollm2-135m"]
     assert (provenance["backbone"], provenance["backbone_revision"]) == ("smollm2-135m", spec.sha256)
     assert provenance["sampling"] == {"greedy": True} and provenance["dtype"] == "bfloat16"
+    # benchmark prompts were excluded when it was made (checked against the files again below where they exist)
+    assert provenance["exclude"] and all(f.endswith(".jsonl") for f in provenance["exclude"])
     dataset = datasets.load_from_disk(str(part))
     assert dataset.features["answer_ids"].feature.dtype == "int32"  # the compact copy
     assert provenance["num_records"] == len(dataset) and provenance["answer_tokens"] == count_answer_tokens(dataset)
