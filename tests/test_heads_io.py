@@ -43,7 +43,7 @@ def test_untrained_heads_start_as_the_backbone_projection():
     (dict(num_heads=0), "num_heads must be a positive integer"),
     (dict(hidden_size=-3), "hidden_size must be a positive integer"),
     (dict(num_layers=-1), "num_layers must be an integer >= 0"),
-    (dict(kind="hydra"), r"unknown head kind 'hydra': known kinds are \['medusa'"),
+    (dict(kind="hydra"), r"unknown head kind 'hydra': known kinds are \['eagle3', 'medusa'"),
     (dict(tree=[[0], [0, 0], [0, 0, 0]], num_heads=2), "tree depth 3 exceeds num_heads 2"),
     (dict(tree=[[1, 0]]), "no parent path"),
 ])
