@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m tokenmaxx.heads.backbones",
                                      description="Convert an alias's GGUF file (or its pieces, in order) into "
-                                                 "tokenmaxx's backbone cache, for machines without the weights package.")
+                                                 "tokenmaxx's backbone cache, for machines without the weights "
+                                                 "package.")
     parser.add_argument("--import", dest="alias", required=True, choices=sorted(BACKBONES), help="backbone alias")
     parser.add_argument("files", nargs="+", help="the GGUF file, or its pieces in order")
     args = parser.parse_args(argv)

@@ -17,7 +17,8 @@ WEIGHTS_NAME = "model.safetensors"
 
 @dataclass
 class HeadsConfig:
-    kind: str = field(default=DEFAULT_HEAD_KIND, metadata={"help": "head kind (a registered name: 'mtp', 'medusa', 'eagle3')"})
+    kind: str = field(default=DEFAULT_HEAD_KIND, metadata={
+        "help": "head kind (a registered name: 'mtp', 'medusa', 'eagle3')"})
     num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions after the current one"})
     num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
     hidden_size: int = field(default=0, metadata={"help": "backbone hidden size H"})

@@ -59,5 +59,6 @@ class Outcome:
     draft: Draft
     nodes: torch.Tensor  # [m+1] long: the accepted path's node indices, root first
     tokens: list[int]  # the m accepted candidates and the bonus token
-    hidden: torch.Tensor  # [m+1, F] backbone states at the accepted nodes, as in Prefill (the next round reads the last)
+    hidden: torch.Tensor  # [m+1, F] backbone states at the accepted nodes, as in Prefill (the next round reads the
+    # last)
     emitted: list[int]  # what the round added to the output (``tokens`` cut at EOS / max_new_tokens)

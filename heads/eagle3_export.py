@@ -139,8 +139,8 @@ def load_eagle3(folder: str | os.PathLike, model) -> Eagle3Heads:
         or default_feature_layers(model.config.num_hidden_layers)
     weight = model.get_output_embeddings().weight
     if (config.get("hidden_size"), config.get("vocab_size")) != (weight.shape[1], weight.shape[0]):
-        raise ExportError(f"{folder}: hidden size {config.get('hidden_size')} and vocabulary {config.get('vocab_size')} "
-                          f"do not fit the backbone's {weight.shape[1]} and {weight.shape[0]}")
+        raise ExportError(f"{folder}: hidden size {config.get('hidden_size')} and vocabulary "
+                          f"{config.get('vocab_size')} do not fit the backbone's {weight.shape[1]} and {weight.shape[0]}")
     kwargs = {"num_heads": own.get("num_heads", 4), "feature_layers": list(layers)}
     if own.get("dynamic_tree"):
         kwargs["dynamic_tree"] = own["dynamic_tree"]

@@ -209,8 +209,8 @@ class SequentialDrafter:
         visible = torch.ones(n, cached + n, dtype=torch.bool, device="cpu")  # [n, C+n]
         visible[:, cached:] = torch.ones(n, n, dtype=torch.bool, device="cpu").tril()
         positions = torch.arange(self.next_position, self.next_position + n, device=self.device)  # [n]
-        states = self._run(self.heads.lift(hidden.to(self.heads.dtype)), torch.as_tensor(next_tokens, dtype=torch.long, device=self.device), positions,
-                           visible)
+        tokens = torch.as_tensor(next_tokens, dtype=torch.long, device=self.device)  # [n]
+        states = self._run(self.heads.lift(hidden), tokens, positions, visible)  # lift and step cast to the module dtype
         self.next_position += n
         self.last_state = states[-1]
 
