@@ -15,6 +15,11 @@ keyword travels with the forward call, so nothing process-wide changes and two t
 what they asked for. A backbone on transformers' "sdpa" is moved onto it once (``shared_kv_kwargs``): its other
 forwards compute exactly what they did (the same attention function and the same masks, ``sdpa_mask``; tested with
 transformers' own prompt-lookup generation). On CUDA the keyword is never passed (there it would be slower).
+
+The same function serves the sequential heads' training-time unroll (``unrolled_attention``, keyword
+``tokenmaxx_unrolled=True``): every depth's queries see the depth-1 keys causally plus their own chain's keys at the
+deeper depths, one key per depth. That is computed as what it is (a causal [T, T] block and d-1 scores per query)
+instead of SDPA over all d*T keys through a dense mask, whose CPU backward was a quarter of a training step.
 """
 
 from __future__ import annotations
@@ -29,15 +34,51 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 IMPLEMENTATION = "tokenmaxx_sdpa"
 SHARE_KV_HEADS = "tokenmaxx_share_kv_heads"  # forward keyword: this masked call may let SDPA share the KV heads
+UNROLLED = "tokenmaxx_unrolled"  # forward keyword: the call is a depth of the training-time unroll (unrolled_attention)
+
+
+def unrolled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scaling: float | None = None) -> torch.Tensor:
+    """Attention of one depth d of the sequential heads' training unroll (``SequentialHeads.unrolled_states``).
+
+    query [B, Hq, T, D] (depth d at anchors 0..T-1); key/value [B, Hkv, d*T, D]: the depth-1 entries of all T anchors,
+    then those of depths 2..d (T each, in the cache's order). Query t sees depth-1 keys 0..t (causal) and, at each
+    depth 2..d, the key of its own anchor t (its chain). The scores are matmuls in the inputs' dtype, the softmax in
+    fp32 (transformers' eager attention's numerics). Returns [B, T, Hq, D] like transformers' attention functions.
+    """
+    bsz, heads, seq, dim = query.shape
+    if key.shape[2] % seq:
+        raise ValueError(f"unrolled attention: {key.shape[2]} keys are not a whole number of depths of {seq} anchors")
+    groups = heads // key.shape[1]
+    if groups > 1:  # grouped-query layers: each key/value head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scale = dim ** -0.5 if scaling is None else scaling
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
+    first = torch.matmul(query, key[:, :, :seq].transpose(-1, -2)) * scale  # [B, H, T, T]
+    first = first.masked_fill(~causal, torch.finfo(first.dtype).min)
+    if key.shape[2] == seq:  # depth 1: plain causal attention
+        probs = first.float().softmax(-1).to(query.dtype)
+        return torch.matmul(probs, value).transpose(1, 2).contiguous()
+    depths = key.shape[2] // seq
+    chain_k = key[:, :, seq:].unflatten(2, (depths - 1, seq))  # [B, H, d-1, T, D]
+    chain_v = value[:, :, seq:].unflatten(2, (depths - 1, seq))
+    own = torch.einsum("bhtx,bhjtx->bhtj", query, chain_k) * scale  # [B, H, T, d-1]
+    probs = torch.cat([first, own], dim=-1).float().softmax(-1).to(query.dtype)  # [B, H, T, T+d-1]
+    out = torch.matmul(probs[..., :seq], value[:, :, :seq])  # [B, H, T, D]
+    out = out + torch.einsum("bhtj,bhjtx->bhtx", probs[..., seq:], chain_v)
+    return out.transpose(1, 2).contiguous()
 
 
 def sdpa_sharing_kv_heads(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention; with ``tokenmaxx_share_kv_heads=True`` and a mask, SDPA's ``enable_gqa`` instead
-    of copied key/value heads. query [B, Hq, n, d], key/value [B, Hkv, C+n, d], mask [B or 1, 1, n, C+n] additive.
+    of copied key/value heads; with ``tokenmaxx_unrolled=True``, ``unrolled_attention`` (no mask). query
+    [B, Hq, n, d], key/value [B, Hkv, C+n, d], mask [B or 1, 1, n, C+n] additive.
     Returns ([B, n, Hq, d], None) like transformers' attention functions."""
     share = kwargs.pop(SHARE_KV_HEADS, False)
+    if kwargs.pop(UNROLLED, False):
+        return unrolled_attention(query, key, value, scaling), None
     if not share or attention_mask is None or getattr(module, "num_key_value_groups", 1) <= 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

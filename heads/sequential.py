@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .attention import shared_kv_kwargs
+from .attention import UNROLLED, shared_kv_kwargs
 from .draft_vocab import DraftVocab
 from .drafting import HEADS, Draft, Outcome, Prefill
 from .dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
@@ -72,18 +72,14 @@ class SequentialHeads(DraftHeads):
         bsz, seq, _ = hidden.shape
         cache = DynamicCache()
         anchors = torch.arange(seq, device=hidden.device)
-        causal = anchors[None, :] <= anchors[:, None]  # [T, T]
-        diagonal = torch.eye(seq, dtype=torch.bool, device=hidden.device)
-        dtype = self.dtype
         prev, outs = self.lift(hidden), []
         for d in range(1, depths + 1):
             shifted = torch.zeros_like(input_ids)
             if d < seq:
                 shifted[:, : seq - d] = input_ids[:, d:]  # token at a+d
-            visible = torch.cat([causal] + [diagonal] * (d - 1), dim=1)  # [T, d*T]: depth-1 causal + own chain
-            mask = torch.zeros(visible.shape, dtype=dtype, device=hidden.device)
-            mask.masked_fill_(~visible, torch.finfo(dtype).min)
-            prev = self.step(prev, shifted, embed, (anchors + d - 1)[None].expand(bsz, seq), mask[None, None], cache)
+            # keys: depth-1 causal + the own chain's deeper entries (``attention.unrolled_attention``, no mask)
+            prev = self.step(prev, shifted, embed, (anchors + d - 1)[None].expand(bsz, seq), None, cache,
+                             **{UNROLLED: True})
             outs.append(self.norm(prev))
         return torch.stack(outs)
 

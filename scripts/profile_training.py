@@ -7,7 +7,8 @@ Phases per optimizer step (``--grad_accum`` micro-batches of ``--micro_batch_siz
 and move), ``features`` (cached states read, or the backbone's forward), ``heads`` (the heads' training states: the
 unrolled module for sequential kinds), ``loss`` (vocabulary projection, cross-entropy and its input gradient, fused),
 ``backward`` (autograd through the heads), ``optimizer`` (AdamW step). Prints one JSON line: seconds per phase,
-trained positions per second, and the settings; run it alone on the machine (timings).
+trained positions per second (also without the features phase: what a run with a warm feature cache gets), and the
+settings; run it alone on the machine (timings).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class ProfileArgs:
     steps: int = field(default=20, metadata={"help": "timed optimizer steps"})
     warmup: int = field(default=3, metadata={"help": "untimed steps first"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    group_by_length: bool = field(default=True, metadata={
+        "help": "micro-batches of similar length within each step, as train_heads does by default"})
 
 
 def main(argv=None) -> int:
@@ -69,14 +72,18 @@ def main(argv=None) -> int:
         else BackboneFeatures(model, data, heads.feature_layers)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-4)
     order = step_micro_batches(data.train, 0, max(1, len(data.train) // (args.micro_batch_size * args.grad_accum)),
-                               args.grad_accum, 0, 0, 1, args.micro_batch_size)
+                               args.grad_accum, 0, 0, 1, args.micro_batch_size,
+                               data.window_lengths(args.num_heads) if args.group_by_length else None)
     totals, positions = dict.fromkeys(PHASES, 0.0), 0
     for step in range(args.warmup + args.steps):
         timed = step >= args.warmup
         seconds = dict.fromkeys(PHASES, 0.0)
-        for rows in next(order):
-            t0 = time.perf_counter()
-            batch = collate(data, rows, args.num_heads).to(device)
+        t0 = time.perf_counter()
+        batches = [collate(data, rows, args.num_heads).to(device) for rows in next(order)]
+        norm = sum(objective.target_counts(b.input_ids, b.answer_start, b.lengths, lm_head)
+                   for b in batches).double() / len(batches)  # as the trainer weighs a step's targets
+        seconds["batch"] += time.perf_counter() - t0
+        for batch in batches:
             t1 = time.perf_counter()
             hidden = features.hidden(batch)  # [B, W, F]
             t2 = time.perf_counter()
@@ -87,11 +94,11 @@ def main(argv=None) -> int:
             safe = torch.where(sel.trained, sel.targets, 0).flatten()
             ce, kl, hit = linear_cross_entropy(states.reshape(num_heads * n, -1), objective.projection(lm_head), safe)
             loss, _ = objective.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n),
-                                     sel.trained)
+                                     sel.trained, norm)
             t4 = time.perf_counter()
             loss.backward()
             t5 = time.perf_counter()
-            for name, a, b in zip(PHASES, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            for name, a, b in zip(PHASES[1:], (t1, t2, t3, t4), (t2, t3, t4, t5)):
                 seconds[name] += b - a
             positions += int(sel.trained.any(0).sum()) if timed else 0
         t6 = time.perf_counter()
@@ -102,7 +109,10 @@ def main(argv=None) -> int:
             for name in PHASES:
                 totals[name] += seconds[name]
     total = sum(totals.values())
-    record = {"positions_per_s": round(positions / total, 1), "seconds_per_step": round(total / args.steps, 4),
+    own = total - totals["features"]  # what a step costs once the features are read from a cache
+    record = {"positions_per_s": round(positions / total, 1),
+              "positions_per_s_without_features": round(positions / own, 1),
+              "seconds_per_step": round(total / args.steps, 4),
               "share": {k: round(v / total, 3) for k, v in totals.items()},
               "seconds": {k: round(v / args.steps, 4) for k, v in totals.items()},
               "positions_per_step": round(positions / args.steps, 1), "settings": vars(args)}

@@ -12,8 +12,10 @@
 #
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
 # train; default train), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
-# RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts). Costs on the 2-core CPU (session 12): the mix builds in ~1.5 min; answers ~137 tokens/s (the mix's
-# prompts are long: multi-turn context, passages), ~45 min a part; on a GPU (DEVICE=cuda) minutes in all.
+# RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
+# of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384). Costs on the 2-core CPU: the
+# mix builds in ~1.5 min; answers ~105 tokens/s in one process (the mix's prompts are long: multi-turn context,
+# passages), ~55 min a part; on a GPU (DEVICE=cuda) minutes in all. docs/benchmarks.md has the measured figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -25,6 +27,11 @@ MIX=${MIX:-data/mix}
 KEPT=${KEPT:-distilled/smollm2-mix}
 RUN=${RUN:-runs/smollm2-eagle3}
 EXPORT=${EXPORT:-$RUN/heads}
+CORES=$(nproc)
+JOBS=${JOBS:-$([ "$DEVICE" = cpu ] || [ "$DEVICE" = auto ] && [ "$CORES" -le 4 ] && echo 2 || echo 1)}
+THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
+NPROC=${NPROC:-$JOBS}  # training processes (torchrun); one thread each on a small CPU, for the same reason
+DRAFT_VOCAB=${DRAFT_VOCAB:-16384}  # the heads' draft vocabulary, also the loss's (see RECIPE: 8192 trains ~1.5x faster)
 
 # 1. prompts (deterministic: the same parts on every machine)
 if [ ! -f "$MIX/mix.json" ]; then
@@ -33,27 +40,49 @@ fi
 [ "$STAGE" = prompts ] && exit 0
 
 # 2. answers, part by part; each finished part is also kept as a compact copy (int32 token ids) in $KEPT, which is
-#    committed to git: a later session or a user retrains from it without answering those prompts again
-DONE=()
-for p in $(seq -f "%03g" 0 $((PARTS - 1))); do
-  if [ -f "$KEPT/part-$p/provenance.json" ]; then DONE+=("$KEPT/part-$p"); continue; fi
+#    committed to git: a later session or a user retrains from it without answering those prompts again. JOBS parts
+#    are answered at once, each process on its share of the cores (on 2 cores, 2 one-thread processes answer ~1.4x
+#    the tokens of one two-thread process: batched generation's small matmuls scale poorly across threads).
+answer_part() {
+  local p=$1
   "$PY" scripts/make_data.py --output_dir "$MIX/part-$p" --sources "$MIX/prompts-$p.jsonl" --whole_conversation true \
     --exclude "$EXCLUDE" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE" --max_new_tokens 256 \
     --batch_size 32
   "$PY" scripts/merge_data.py "$MIX/part-$p" --output_dir "$KEPT/part-$p" --token_dtype int32
-  DONE+=("$KEPT/part-$p")
+}
+TODO=()
+for p in $(seq -f "%03g" 0 $((PARTS - 1))); do
+  [ -f "$KEPT/part-$p/provenance.json" ] || TODO+=("$p")
 done
+for ((i = 0; i < ${#TODO[@]}; i += JOBS)); do
+  PIDS=()
+  for p in "${TODO[@]:i:JOBS}"; do
+    echo "answering part $p (log: $MIX/part-$p.log)"
+    OMP_NUM_THREADS=$THREADS answer_part "$p" > "$MIX/part-$p.log" 2>&1 &
+    PIDS+=($!)
+  done
+  for pid in "${PIDS[@]}"; do wait "$pid"; done  # a failed part stops the recipe (set -e); rerun to resume it
+done
+DONE=()
+for p in $(seq -f "%03g" 0 $((PARTS - 1))); do DONE+=("$KEPT/part-$p"); done
 [ "$STAGE" = answers ] && exit 0
 
 # 3. merge the finished parts
 "$PY" scripts/merge_data.py "${DONE[@]}" --output_dir "$MIX/merged" --overwrite
 [ "$STAGE" = merge ] && exit 0
 
-# 4. train and export (--resume continues bit-identically from the newest checkpoint)
+# 4. train and export (--resume continues bit-identically from the newest checkpoint). 32 sequences a step in all:
+#    8 per micro-batch, 4 micro-batches spread over the NPROC processes.
 RESUME=()
 if [ -f "$RUN/checkpoints/latest" ]; then RESUME=(--resume); fi
-"$PY" scripts/train_heads.py --data "$MIX/merged" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE" \
-  --kind eagle3 --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum 4 --epochs 3 --lr 1e-3 --warmup 100 \
-  --loss ce --head_decay 0.8 --draft_vocab_size 16384 --loss_vocab draft --feature_cache "$RUN/features" \
-  --save_every 200 --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT" "${RESUME[@]}"
+ARGS=(--data "$MIX/merged" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE"
+      --kind eagle3 --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum $((4 / NPROC)) --epochs 3 --lr 1e-3
+      --warmup 100 --loss ce --head_decay 0.8 --draft_vocab_size "$DRAFT_VOCAB" --loss_vocab draft
+      --feature_cache "$RUN/features" --save_every 200 --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT"
+      "${RESUME[@]}")
+if [ "$NPROC" -gt 1 ]; then
+  OMP_NUM_THREADS=$THREADS "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" scripts/train_heads.py "${ARGS[@]}"
+else
+  "$PY" scripts/train_heads.py "${ARGS[@]}"
+fi
 echo "heads exported to $EXPORT; metrics in $RUN/metrics.jsonl"

@@ -12,7 +12,7 @@ from helpers import make_cfg, tiny_model
 
 from tokenmaxx.heads import MedusaHeads, MTPHeads, load_backbone
 from tokenmaxx.inference import Tree
-from tokenmaxx.training.batches import collate, load_data
+from tokenmaxx.training.batches import collate, group_by_length, load_data, step_micro_batches
 from tokenmaxx.training.ds_setup import DeepSpeedConfigError, resolve_ds_config
 from tokenmaxx.training.features import BackboneFeatures, FeatureCache
 from tokenmaxx.training.losses import HeadsObjective, head_weights, shifted_targets, teacher_rows
@@ -67,6 +67,31 @@ def test_objective_fused_matches_logits_path(loss):
     assert v1 > 0 and model.lm_head.weight.grad is None  # the shared lm_head stays frozen
     assert s1[3].tolist() == [8, 8, 8]  # (10 - 4) + (8 - 6) targets inside the answers, for every head
     assert (s1[0] > 0).all() and ((s1[1] > 0).all() if loss != "ce" else (s1[1] == 0).all())
+
+
+@pytest.mark.parametrize("vocab", [None, list(range(3, 60))])
+def test_step_normalisation_weighs_every_target_of_a_step_the_same(vocab):
+    """Two micro-batches with the step's norm, averaged (gradient accumulation), are the one batch of both rows: a
+    row's weight does not depend on which (length-grouped) micro-batch it fell in. Without the norm they differ."""
+    model = tiny_model("llama")
+    heads = MedusaHeads.for_backbone(model, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    objective = HeadsObjective(heads, loss="ce", head_decay=0.8, vocab=vocab)
+    ids = torch.randint(3, 96, (3, 12))
+    starts, lengths = torch.tensor([3, 8, 5]), torch.tensor([12, 11, 9])  # answers of 9, 3 and 4 tokens
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1].detach()
+    whole, _ = objective(hidden, ids, starts, lengths, model.lm_head)
+    parts = [slice(0, 1), slice(1, 3)]
+    counts = [objective.target_counts(ids[p], starts[p], lengths[p], model.lm_head) for p in parts]
+    assert (counts[0] + counts[1]).tolist() == objective(hidden, ids, starts, lengths, model.lm_head)[1][3].tolist()
+    norm = (counts[0] + counts[1]).double() / 2
+    accumulated = sum(objective(hidden[p], ids[p], starts[p], lengths[p], model.lm_head, norm=norm)[0]
+                      for p in parts) / 2
+    torch.testing.assert_close(accumulated, whole)
+    plain = sum(objective(hidden[p], ids[p], starts[p], lengths[p], model.lm_head)[0] for p in parts) / 2
+    assert not torch.allclose(plain, whole)
 
 
 @pytest.mark.parametrize("loss", ["ce", "ce+kl"])
@@ -179,6 +204,60 @@ def test_feature_cache_matches_backbone_and_resumes(tmp_path, backbone_dir, data
     assert shards[1].is_file() and shards[0].stat().st_mtime_ns == kept
     with pytest.raises(ValueError, match="seq_len"):
         FeatureCache.build_or_open(tmp_path / "cache", model, data, 40, num_heads=4, shard_size=16)
+
+
+def test_batch_width_padding_changes_no_loss_and_no_gradient(backbone_dir, data_dir, monkeypatch):
+    """Batches are padded to a multiple of WIDTH_MULTIPLE positions (stable GEMM shapes); the padding is never attended
+    to nor scored: the same rows give the same loss, stats and gradients at any width (eagle3: unrolled attention,
+    three cached layers)."""
+    from tokenmaxx.heads import Eagle3Heads
+    from tokenmaxx.training import batches
+
+    model, _ = load_backbone(str(backbone_dir))
+    data = load_data(data_dir, 48, 0.2, 8, 0)
+    heads = Eagle3Heads.for_backbone(model, num_heads=3, feature_layers=[0, 1, 2])
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    objective = HeadsObjective(heads, loss="ce")
+    features = BackboneFeatures(model, data, heads.feature_layers)
+    results = []
+    for multiple in (1, 64):
+        monkeypatch.setattr(batches, "WIDTH_MULTIPLE", multiple)
+        batch = collate(data, data.train[:4], num_heads=3)
+        assert batch.input_ids.shape[1] % multiple == 0
+        heads.zero_grad()
+        loss, stats = objective(features.hidden(batch), batch.input_ids, batch.answer_start, batch.lengths,
+                                model.lm_head, embed=model.get_input_embeddings())
+        loss.backward()
+        results.append((batch.input_ids.shape[1], loss.detach(), stats, [p.grad.clone() for p in heads.parameters()]))
+    (w1, l1, s1, g1), (w2, l2, s2, g2) = results
+    assert w2 > w1
+    torch.testing.assert_close(l1, l2)
+    torch.testing.assert_close(s1, s2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_length_grouping_keeps_each_steps_rows_and_cuts_padding():
+    rows = list(range(100, 164))
+    drawn = torch.randint(5, 300, (64,), generator=torch.Generator().manual_seed(1))
+    lengths = {r: int(n) for r, n in zip(rows, drawn)}
+    args = (rows, 3, 4, 2, 7, 0, 1, 4)  # from step 3, 4 steps an epoch, 2 micro-batches of 4 a step, seed 7
+    plain, grouped = step_micro_batches(*args), step_micro_batches(*args, lengths=lengths)
+    padded = {"plain": 0, "grouped": 0}
+    for _ in range(6):  # across an epoch boundary
+        a, b = next(plain), next(grouped)
+        assert [len(x) for x in a] == [len(x) for x in b] and sorted(sum(a, [])) == sorted(sum(b, []))
+        flat = sum(b, [])
+        assert [lengths[r] for r in flat] == sorted(lengths[r] for r in flat)
+        for name, batches in (("plain", a), ("grouped", b)):
+            padded[name] += sum(len(x) * max(lengths[r] for r in x) for x in batches)
+    assert padded["grouped"] < padded["plain"]
+    again = step_micro_batches(*args, lengths=lengths)
+    assert [next(again) for _ in range(2)] == [group_by_length(next(step_micro_batches(*args)), lengths),
+                                               group_by_length(next(step_micro_batches(*args[:1], 4, *args[2:])),
+                                                               lengths)]
 
 
 def test_rank_table_and_tree_tau():

@@ -26,7 +26,7 @@ BACKBONE_FIELDS = ("backbone", "backbone_revision", "adapter", "adapter_revision
 HEAD_FIELDS = ("kind", "num_heads", "num_layers", "share_lm_head", "feature_layers")
 ORDER_FIELDS = ("data_fingerprint", "seed", "seq_len", "eval_fraction", "eval_max_examples", "micro_batch_size",
                 "grad_accum", "world_size", "max_steps", "lr", "warmup", "weight_decay", "grad_clip", "zero_stage",
-                "dtype", "loss", "head_decay", "loss_vocab")
+                "dtype", "loss", "head_decay", "loss_vocab", "group_by_length")
 
 
 class CheckpointMismatchError(ValueError):

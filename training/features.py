@@ -56,9 +56,9 @@ def backbone_hidden(model, sequences: list[torch.Tensor], layers=None) -> list[t
     return [hidden[i, :n] for i, n in enumerate(lengths)]
 
 
-def _pad_windows(windows: list[torch.Tensor]) -> torch.Tensor:
-    """[W_i, H] each -> [B, max W, H], zero-padded."""
-    out = windows[0].new_zeros(len(windows), max(w.shape[0] for w in windows), windows[0].shape[1])
+def _pad_windows(windows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[W_i, H] each -> [B, width, H] (the batch's width), zero-padded."""
+    out = windows[0].new_zeros(len(windows), width, windows[0].shape[1])
     for i, w in enumerate(windows):
         out[i, : w.shape[0]] = w
     return out
@@ -72,7 +72,7 @@ class BackboneFeatures:
 
     def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, F]
         states = backbone_hidden(self.model, [self.data.examples[r].ids for r in batch.rows], self.layers)
-        return _pad_windows([s[start:] for s, start in zip(states, batch.starts)])
+        return _pad_windows([s[start:] for s, start in zip(states, batch.starts)], batch.input_ids.shape[1])
 
 
 def cache_meta(model, data: SelfDistilledData, seq_len: int, lookback: int, shard_size: int, layers=None) -> dict:
@@ -196,4 +196,5 @@ class FeatureCache:
         return self._handle(shard).get_slice("hidden")[begin + start - cached_start: end]
 
     def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, H] on the backbone's device
-        return _pad_windows([self.window(r, s) for r, s in zip(batch.rows, batch.starts)]).to(self.device)
+        windows = [self.window(r, s) for r, s in zip(batch.rows, batch.starts)]
+        return _pad_windows(windows, batch.input_ids.shape[1]).to(self.device)

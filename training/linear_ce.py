@@ -40,7 +40,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk = chunk_rows(device)
         for i in range(0, num_rows, chunk):
             j = min(i + chunk, num_rows)
-            z = (states[i:j] @ weight.T).float()  # [c, V]
+            rows_in = states[i:j]
+            if device.type == "cpu" and j - i < chunk:  # a tail of a new length would cost a GEMM kernel build
+                rows_in = F.pad(rows_in, (0, 0, 0, chunk - (j - i)))  # (~10 ms, more than the chunk): same shape
+            z = (rows_in @ weight.T)[: j - i].float()  # [c, V]
             target = targets[i:j, None]  # [c, 1]
             hit[i:j] = (z.gather(1, target) >= z.amax(-1, keepdim=True)).squeeze(1)  # target is a top-1 token
             log_q = F.log_softmax(z, dim=-1)  # [c, V]

@@ -174,10 +174,10 @@ class HeadsObjective(nn.Module):
         return F.linear(states, self.projection(lm_head))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
-                lengths: torch.Tensor, lm_head: nn.Module,
-                embed: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                lengths: torch.Tensor, lm_head: nn.Module, embed: nn.Module | None = None,
+                norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, H] final-normed backbone states; input_ids [B, T]; answer_start, lengths [B]; embed: the
-        backbone's input embedding (sequential heads read tokens through it).
+        backbone's input embedding (sequential heads read tokens through it); norm: see ``loss``.
 
         Returns (weighted loss scalar, stats [len(STATS), K] detached: mean CE, mean KL, top-1 hits, target count).
         """
@@ -194,7 +194,15 @@ class HeadsObjective(nn.Module):
             logits = self.head_logits(hidden, input_ids, sel.selected, lm_head, embed)  # [K, n, V]
             ce, kl, hit = logits_cross_entropy(logits.reshape(num_heads * n, -1), safe, sel.teacher, rows)
         shape = (num_heads, n)
-        return self.loss(ce.view(shape), kl.view(shape), hit.view(shape), trained)
+        return self.loss(ce.view(shape), kl.view(shape), hit.view(shape), trained, norm)
+
+    def target_counts(self, input_ids: torch.Tensor, answer_start: torch.Tensor, lengths: torch.Tensor,
+                      lm_head: nn.Module) -> torch.Tensor:
+        """Rows the loss scores per head in a batch [K] (``Selection.trained`` counted, without any features)."""
+        targets, valid = shifted_targets(input_ids, answer_start, lengths, len(self.weights))  # [K, B, T] x2
+        if self.vocab is not None:
+            valid = valid & (self.vocab_tables(lm_head)[1][targets] >= 0)
+        return valid.sum((1, 2))
 
     def head_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, selected: torch.Tensor,
                     embed: nn.Module | None) -> torch.Tensor:
@@ -237,16 +245,21 @@ class HeadsObjective(nn.Module):
             targets = targets.clamp(min=0)
         return Selection(selected, targets, valid[:, selected], teacher, row, in_vocab)
 
-    def loss(self, ce: torch.Tensor, kl: torch.Tensor, hit: torch.Tensor,
-             valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, ce: torch.Tensor, kl: torch.Tensor, hit: torch.Tensor, valid: torch.Tensor,
+             norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row ce, kl, top-1 hit, valid [K, n] -> (loss, stats [len(STATS), K]).
 
         loss = sum_k w_k * mean over head k's valid rows of its loss / sum_k w_k, over heads with targets here.
+        ``norm`` [K]: divide head k's summed loss by norm[k] instead of this batch's count (heads with norm 0 drop
+        out). The trainer passes a step's count per micro-batch (``target_counts`` summed over the step, divided by
+        its micro-batches), so that after gradient accumulation every target of the step weighs the same, whatever
+        batch it fell in (the batches of a step are grouped by length, so their counts differ systematically).
         """
         mask = valid.float()  # [K, n]
         count = mask.sum(1)  # [K]
-        weights = torch.tensor(self.weights, device=count.device) * (count > 0)  # [K]
-        scale = (weights / count.clamp(min=1) / weights.sum().clamp(min=1e-12))[:, None] * mask  # [K, n]
+        denom = count if norm is None else norm.to(count)
+        weights = torch.tensor(self.weights, device=count.device) * (denom > 0)  # [K]
+        scale = (weights / denom.clamp(min=1e-6) / weights.sum().clamp(min=1e-12))[:, None] * mask  # [K, n]
         total = (ce * 0.0).sum()  # a zero that keeps the graph even when no head has a target
         if self.loss_kind in ("ce", "ce+kl"):
             total = total + (ce * scale).sum()

@@ -48,6 +48,9 @@ class TrainConfig:
         "help": "folder for the frozen backbone's cached last hidden states (built on first use, resumable); "
                 "omit to run the backbone on every micro-batch"})
     seed: int = field(default=0, metadata={"help": "seed of the train/eval split and the per-epoch data order"})
+    group_by_length: bool = field(default=True, metadata={
+        "help": "regroup each optimizer step's sequences into micro-batches of similar length (less padding; the "
+                "step's rows and every target's weight stay the same)"})
 
     # ---- backbone and heads --------------------------------------------------------------------------------------
     backbone: str = field(default="smollm2-135m", metadata={

@@ -174,13 +174,16 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
     start = clock(device)
     steps_before, feature_s = engine.global_steps, 0.0
     sums = torch.zeros(2 + len(STATS) * num_heads, dtype=torch.float64, device=device)  # read once, by step_record
-    for rows in micro_batches:
-        batch = collate(data, rows, num_heads).to(device)
+    batches = [collate(data, rows, num_heads).to(device) for rows in micro_batches]
+    # every target of the step weighs the same (HeadsObjective.loss): the step's count per micro-batch
+    counts = sum(engine.module.target_counts(b.input_ids, b.answer_start, b.lengths, lm_head) for b in batches)
+    norm = counts.double() / len(batches)
+    for batch in batches:
         t0 = clock(device)
         hidden = features.hidden(batch)  # [B, W, H]
         feature_s += clock(device) - t0
         loss, stats = engine(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head=lm_head,
-                             embed=embed)
+                             embed=embed, norm=norm)
         engine.backward(loss)
         engine.step()
         _, valid = shifted_targets(batch.input_ids, batch.answer_start, batch.lengths, num_heads)  # [K, B, W]
@@ -257,7 +260,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     logger = MetricsLogger(out, enabled=rank == 0, start_step=step, last_step=step >= cfg.max_steps)
     per_epoch = steps_per_epoch(len(data.train), world, cfg.micro_batch_size, cfg.grad_accum)
     order = step_micro_batches(data.train, step, per_epoch, cfg.grad_accum, cfg.seed, rank, world,
-                               cfg.micro_batch_size)
+                               cfg.micro_batch_size,
+                               data.window_lengths(cfg.num_heads) if cfg.group_by_length else None)
     result = TrainResult(export_dir=cfg.heads_export_dir, steps=step)
     positions = seconds = 0.0
 
