@@ -41,8 +41,9 @@ fi
 
 # 2. answers, part by part; each finished part is also kept as a compact copy (int32 token ids) in $KEPT, which is
 #    committed to git: a later session or a user retrains from it without answering those prompts again. JOBS parts
-#    are answered at once, each process on its share of the cores (on 2 cores, 2 one-thread processes answer ~1.4x
-#    the tokens of one two-thread process: batched generation's small matmuls scale poorly across threads).
+#    are answered at once, each process on its share of the cores (on 2 cores, 2 one-thread processes answered
+#    1.3-1.8x the tokens/s of one two-thread process: batched generation's small matmuls scale poorly across
+#    threads). A part stopped midway resumes at its last finished shard of 256 prompts.
 answer_part() {
   local p=$1
   "$PY" scripts/make_data.py --output_dir "$MIX/part-$p" --sources "$MIX/prompts-$p.jsonl" --whole_conversation true \

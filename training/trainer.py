@@ -164,8 +164,9 @@ def export_heads(heads, cfg: TrainConfig, extra: dict, rank: int) -> Path:
 
 
 def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list[int]], lm_head, embed,
-             num_heads: int) -> tuple[torch.Tensor, float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches (``lm_head``, ``embed``: the frozen backbone's).
+             num_heads: int, world: int = 1) -> tuple[torch.Tensor, float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches (``lm_head``, ``embed``: the frozen backbone's; ``world``
+    processes).
 
     Returns (sums [1 + len(STATS) * K + 1]: loss sum, per-head stats, trained positions; this rank's), feature
     seconds (backbone forward or cache read), total seconds.
@@ -175,9 +176,11 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
     steps_before, feature_s = engine.global_steps, 0.0
     sums = torch.zeros(2 + len(STATS) * num_heads, dtype=torch.float64, device=device)  # read once, by step_record
     batches = [collate(data, rows, num_heads).to(device) for rows in micro_batches]
-    # every target of the step weighs the same (HeadsObjective.loss): the step's count per micro-batch
+    # every target of the step weighs the same (HeadsObjective.loss): the step's count per micro-batch, over all
+    # ranks (DeepSpeed averages the ranks' gradients, each the mean of its micro-batches')
     counts = sum(engine.module.target_counts(b.input_ids, b.answer_start, b.lengths, lm_head) for b in batches)
-    norm = counts.double() / len(batches)
+    counts = _reduced(counts) if world > 1 else counts
+    norm = counts.double() / (len(batches) * world)
     for batch in batches:
         t0 = clock(device)
         hidden = features.hidden(batch)  # [B, W, H]
@@ -274,7 +277,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     saved_at = step if resumed else -1
     while step < cfg.max_steps:
         lr = engine.get_lr()[0]  # this step's learning rate (the scheduler moves on inside the step)
-        sums, feature_s, step_s = run_step(engine, features, data, next(order), lm_head, embed, cfg.num_heads)
+        sums, feature_s, step_s = run_step(engine, features, data, next(order), lm_head, embed, cfg.num_heads,
+                                           world)
         step += 1
         sums = _reduced(sums) if world > 1 else sums
         step_s = float(_reduced(torch.tensor([step_s]))[0]) / world if world > 1 else step_s
