@@ -27,7 +27,7 @@ from tokenmaxx.training.batches import collate, load_data, step_micro_batches
 from tokenmaxx.training.features import BackboneFeatures, FeatureCache
 from tokenmaxx.training.linear_ce import linear_cross_entropy
 from tokenmaxx.training.losses import HeadsObjective
-from tokenmaxx.training.trainer import draft_vocab_from
+from tokenmaxx.training.trainer import draft_vocab_from, step_norm
 
 PHASES = ("batch", "features", "heads", "loss", "backward", "optimizer")
 
@@ -80,8 +80,7 @@ def main(argv=None) -> int:
         seconds = dict.fromkeys(PHASES, 0.0)
         t0 = time.perf_counter()
         batches = [collate(data, rows, args.num_heads).to(device) for rows in next(order)]
-        norm = sum(objective.target_counts(b.input_ids, b.answer_start, b.lengths, lm_head)
-                   for b in batches).double() / len(batches)  # as the trainer weighs a step's targets
+        norm = step_norm(objective, batches, lm_head)  # as the trainer weighs a step's targets
         seconds["batch"] += time.perf_counter() - t0
         for batch in batches:
             t1 = time.perf_counter()

@@ -163,6 +163,15 @@ def export_heads(heads, cfg: TrainConfig, extra: dict, rank: int) -> Path:
     return out
 
 
+def step_norm(objective, batches: list, lm_head, world: int = 1) -> torch.Tensor:
+    """``HeadsObjective.loss``'s norm for one step's micro-batches [K]: the step's target count per micro-batch, over
+    all ranks (DeepSpeed averages the ranks' gradients, each the mean of its micro-batches'), so that every target of
+    the step weighs the same."""
+    counts = sum(objective.target_counts(b.input_ids, b.answer_start, b.lengths, lm_head) for b in batches)
+    counts = _reduced(counts) if world > 1 else counts
+    return counts.double() / (len(batches) * world)
+
+
 def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list[int]], lm_head, embed,
              num_heads: int, world: int = 1) -> tuple[torch.Tensor, float, float]:
     """One optimizer step over ``grad_accum`` micro-batches (``lm_head``, ``embed``: the frozen backbone's; ``world``
@@ -176,11 +185,7 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
     steps_before, feature_s = engine.global_steps, 0.0
     sums = torch.zeros(2 + len(STATS) * num_heads, dtype=torch.float64, device=device)  # read once, by step_record
     batches = [collate(data, rows, num_heads).to(device) for rows in micro_batches]
-    # every target of the step weighs the same (HeadsObjective.loss): the step's count per micro-batch, over all
-    # ranks (DeepSpeed averages the ranks' gradients, each the mean of its micro-batches')
-    counts = sum(engine.module.target_counts(b.input_ids, b.answer_start, b.lengths, lm_head) for b in batches)
-    counts = _reduced(counts) if world > 1 else counts
-    norm = counts.double() / (len(batches) * world)
+    norm = step_norm(engine.module, batches, lm_head, world)
     for batch in batches:
         t0 = clock(device)
         hidden = features.hidden(batch)  # [B, W, H]
