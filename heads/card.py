@@ -209,6 +209,22 @@ def _accuracy_rows(metrics: dict) -> list[dict]:
     return [{"head": k + 1, "top1": fmt(top1, k), "top5": fmt(top5, k)} for k in range(max(len(top1), len(top5)))]
 
 
+def _category_rows(metrics: dict) -> list[dict]:
+    """One row per category of the held-out metrics' ``by_category`` (the trainer's, for data with categories)."""
+    by_category = metrics.get("by_category")
+    if not isinstance(by_category, dict):
+        return []
+    rows = []
+    for category, m in by_category.items():
+        if not isinstance(m, dict):
+            continue
+        acc = _accuracy_rows(m)
+        rows.append({"category": category, "rows": m.get("eval_examples", NOT_RECORDED),
+                     "top1": " / ".join(r["top1"] for r in acc) or NOT_RECORDED,
+                     "top5": " / ".join(r["top5"] for r in acc) or NOT_RECORDED})
+    return rows
+
+
 def _base_method(name: str) -> str:
     """``"mtp:dynamic:24"`` -> ``"mtp"``: a bench method name without its tree."""
     return name.split(":", 1)[0]
@@ -302,7 +318,7 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
         "repo_id": repo_id, "config": config, "license": license or NOT_RECORDED, "base_model": base,
         "backbone": config.backbone or NOT_RECORDED, "backbone_revision": config.backbone_revision or NOT_RECORDED,
         "install_hint": spec.install_hint if spec else None, "training": _training_rows(extra),
-        "accuracies": _accuracy_rows(metrics),
+        "accuracies": _accuracy_rows(metrics), "by_category": _category_rows(metrics),
         "eval_positions": _get(metrics, "eval_positions", int),
         "card": head_kind(config.kind).card_sections(config),  # what only the kind can say (its trees)
         "bench": _bench_context(load_bench(bench), config.kind, methods) if bench is not None else None,

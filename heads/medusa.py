@@ -113,7 +113,7 @@ class MedusaHeads(DraftHeads):
         section = (f"{own}: {tree.num_nodes} nodes (root included),\ndepth {tree.depth}. Each path lists ranks: the "
                    "r1-th best guess of head 1, then the r2-th best of head 2, ...\n\n```json\n"
                    f"{json.dumps([list(p) for p in tree.paths])}\n```")
-        return {"tau_note": tau_note, "tree_section": section}
+        return {"tau_note": tau_note, "tree_section": section, "unit": "head", "accuracy_note": ""}
 
 
 @functools.lru_cache(maxsize=64)

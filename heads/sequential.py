@@ -130,7 +130,9 @@ class SequentialHeads(DraftHeads):
                    f"least\n{dynamic.min_mass} of the draft's probability), then the {dynamic.nodes} best nodes "
                    "(root included) are verified. `tree=\"auto\"` picks the node budget with the best measured "
                    "tokens/s on your machine.")
-        return {"tau_note": "", "tree_section": section}
+        return {"tau_note": "", "tree_section": section, "unit": "depth",
+                "accuracy_note": "Depth d is scored given the true tokens before it (the situation along a correct "
+                                 "draft path)."}
 
 
 

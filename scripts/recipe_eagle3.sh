@@ -8,7 +8,8 @@
 #                (committed; parts found there are not answered again)
 #   3. merge     merge_data of the finished parts -> data/mix/merged (remade when the part count changed)
 #   4. train     train_heads --kind eagle3 with a feature cache (three layers' states), --resume when a checkpoint
-#                exists; export to $EXPORT
+#                exists; export to $EXPORT. The held-out metrics come per category of the mix too (chat, math, rag,
+#                summarize, translate: make_data keeps each prompt's source as the record's category)
 #
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
 # train; default train), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),

@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"export_dir": str(result.export_dir), "steps": result.steps,
                           "positions_per_s": round(result.positions_per_s, 1),
                           "wall_seconds": round(result.wall_seconds, 1),
-                          **{k: v for k, v in result.metrics.items() if not k.startswith("rank_acc")}}))
+                          **{k: v for k, v in result.metrics.items() if not k.startswith("rank_acc")},
+                          **({"by_category": {c: {k: m[k] for k in ("eval_examples", "head_top1", "head_top5")}
+                                              for c, m in result.metrics["by_category"].items()}}
+                             if "by_category" in result.metrics else {})}))
     return 0
 
 

@@ -17,6 +17,7 @@ import torch
 from helpers import tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
+from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.data import DataConfig, DataStats, load_prompts, make_data, read_json_array, select_prompts, \
     sharegpt_path
 
@@ -165,7 +166,8 @@ def test_dataset_columns_provenance_and_greedy_answers(tmp_path, backbone):
     cfg = config(tmp_path, [source])
     dataset = make_data(cfg, model, tokenizer, stats := DataStats())
     out = Path(cfg.output_dir)
-    assert dataset.column_names == ["prompt", "prompt_ids", "answer_ids"]
+    assert dataset.column_names == ["prompt", "prompt_ids", "answer_ids", "category"]
+    assert dataset["category"] == ["p"] * 10  # no category field: the source file's name
     assert dataset.features["prompt_ids"] == datasets.List(datasets.Value("int64"))
     assert dataset["prompt"] == [f"question {i}: " + "why? " * (i % 4) for i in range(10)]  # source order
     assert sorted(os.listdir(out)) == ["data-00000-of-00001.arrow", "dataset_info.json", "provenance.json",
@@ -175,6 +177,7 @@ def test_dataset_columns_provenance_and_greedy_answers(tmp_path, backbone):
     assert provenance["dtype"] == "float32" and provenance["max_new_tokens"] == 12
     assert provenance["sampling"] == {"greedy": True} and provenance["sources"] == [str(source)]
     assert provenance["num_records"] == 10 and provenance["answer_tokens"] == stats.answer_tokens
+    assert provenance["categories"] == {"p": {"records": 10, "answer_tokens": stats.answer_tokens}}
     assert "backbone" in provenance and "backbone_revision" in provenance
     for row in dataset:  # batched, left-padded generation equals one prompt at a time (fp32)
         ids = torch.tensor([row["prompt_ids"]])  # [1, T]
@@ -187,6 +190,30 @@ def test_dataset_columns_provenance_and_greedy_answers(tmp_path, backbone):
 
     again = make_data(cfg, model, tokenizer, stats := DataStats())  # complete: nothing is generated again
     assert stats.generated_tokens == 0 and again[:] == dataset[:]
+
+
+def test_each_record_keeps_its_category_and_provenance_counts_them(tmp_path, backbone):
+    """The prompt mix's 'source' field, Spec-Bench's 'category', else the source's name; a killed run's shards (which
+    never hold the column) are assembled with it."""
+    chats = write_jsonl(tmp_path / "mix.jsonl", [
+        {"prompt": "add two and two", "source": "math"}, {"prompt": "what is rain", "category": "qa"},
+        {"prompt": "hello there", "source": "  "}, {"prompt": "sum three and four", "source": "math"},
+        {"prompt": "no label", "category": 7}])
+    folder = tmp_path / "hf"
+    datasets.Dataset.from_dict({"prompt": ["from a folder"], "source": ["chat"]}).save_to_disk(folder)
+    cfg = config(tmp_path, [chats, folder])
+    dataset = make_data(cfg, *backbone)
+    assert dataset["category"] == ["math", "qa", "mix", "math", "mix", "chat"]
+    lengths = [len(a) for a in dataset["answer_ids"]]
+    provenance = json.loads((Path(cfg.output_dir) / "provenance.json").read_text())
+    assert provenance["categories"] == {
+        "chat": {"records": 1, "answer_tokens": lengths[5]}, "math": {"records": 2, "answer_tokens": lengths[0] + lengths[3]},
+        "mix": {"records": 2, "answer_tokens": lengths[2] + lengths[4]}, "qa": {"records": 1, "answer_tokens": lengths[1]}}
+    data = load_data(cfg.output_dir, seq_len=64, eval_fraction=0.5, eval_max_examples=8, seed=0)
+    assert [data.examples[r].category for r in sorted(data.examples)] == dataset["category"]
+    by_category = data.eval_by_category()
+    assert sorted(r for rows in by_category.values() for r in rows) == sorted(data.eval)
+    assert all(data.examples[r].category == c for c, rows in by_category.items() for r in rows)
 
 
 def test_other_settings_are_refused_unless_overwrite(tmp_path, backbone):

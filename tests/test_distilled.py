@@ -10,7 +10,7 @@ import pytest
 from tokenmaxx.heads import BACKBONES
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.data import load_exclusions, normalize
-from tokenmaxx.training.data_folder import count_answer_tokens
+from tokenmaxx.training.data_folder import category_counts, count_answer_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 KEPT = REPO / "distilled"
@@ -35,6 +35,8 @@ def test_each_part_loads_with_its_provenance(part):
     dataset = datasets.load_from_disk(str(part))
     assert dataset.features["answer_ids"].feature.dtype == "int32"  # the compact copy
     assert provenance["num_records"] == len(dataset) and provenance["answer_tokens"] == count_answer_tokens(dataset)
+    assert provenance["categories"] == category_counts(dataset)  # the mix's sources: chat, math, rag, ...
+    assert set(provenance["categories"]) == {"chat", "math", "rag", "summarize", "translate"}
     data = load_data(part, seq_len=768, eval_fraction=0.05, eval_max_examples=64, seed=0)
     assert data.num_rows == len(dataset) and len(data.train) > 0.9 * len(dataset)
 

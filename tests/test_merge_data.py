@@ -51,9 +51,23 @@ def test_merge_keeps_rows_in_order_and_merges_provenance(parts, tmp_path):
     assert "min_prompt_tokens" not in prov  # the parts differ there: kept only in their own records
     assert [p["min_prompt_tokens"] for p in prov["parts"]] == [0, 13]
     assert [p["path"] for p in prov["parts"]] == [str(p) for p in parts]
+    assert merged["category"] == ["short"] * 3 + ["long"] * 2  # each part's file name (make_data's category)
+    assert prov["categories"] == {name: {"records": o["num_records"], "answer_tokens": o["answer_tokens"]}
+                                  for name, o in zip(("short", "long"), own)}
     data = load_data(tmp_path / "mix", seq_len=64, eval_fraction=0.2, eval_max_examples=8, seed=0)
     assert data.num_rows == 5 and data.provenance == prov  # what the trainer records with the heads
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_part_without_categories_drops_the_column_with_a_warning(parts, tmp_path, caplog):
+    old = tmp_path / "old"
+    datasets.load_from_disk(str(parts[1])).remove_columns("category").save_to_disk(str(old))
+    prov = json.loads((parts[1] / "provenance.json").read_text())
+    (old / "provenance.json").write_text(json.dumps({k: v for k, v in prov.items() if k != "categories"}))
+    merged = merge_data([parts[0], old], tmp_path / "mix")
+    assert merged.column_names == ["prompt", "prompt_ids", "answer_ids"] and len(merged) == 5
+    assert "categories" not in json.loads((tmp_path / "mix" / "provenance.json").read_text())
+    assert f"parts ['{old}'] have no category column" in caplog.text
 
 
 def test_merge_refuses_bad_parts_and_outputs(parts, tmp_path):

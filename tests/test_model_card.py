@@ -172,3 +172,21 @@ def test_card_describes_mtp_heads():
     assert "at most 3 levels" in text and "holds at least\n0.5 of the draft's probability" in text
     assert "3 frequent tokens + each prompt's tokens" in text
     assert "Each path lists ranks" not in text  # no static tree for a dynamic drafter
+
+
+def test_card_shows_eagle3_depths_and_accuracy_per_category():
+    from helpers import tiny_model
+
+    from tokenmaxx.heads import Eagle3Heads
+
+    heads = Eagle3Heads.for_backbone(tiny_model(), num_heads=2, feature_layers=[0, 1, 2])
+    metrics = {"head_top1": [0.7, 0.5], "head_top5": [0.9, 0.8], "eval_positions": 900,
+               "by_category": {"chat": {"eval_examples": 40, "head_top1": [0.72, 0.55], "head_top5": [0.91, 0.83]},
+                               "translate": {"eval_examples": 9, "head_top1": [0.6, 0.41], "head_top5": [0.8, 0.7]}}}
+    heads.config.extra = {"metrics": metrics}
+    text = render_model_card(heads.config, "org/eagle3").text
+    assert "| depth | top-1 | top-5 |" in text and "Depth d is scored given the true tokens before it" in text
+    assert "| chat | 40 | 0.720 / 0.550 | 0.910 / 0.830 |" in text
+    assert "| translate | 9 | 0.600 / 0.410 | 0.800 / 0.700 |" in text
+    del metrics["by_category"]
+    assert "| category |" not in render_model_card(heads.config, "org/eagle3").text

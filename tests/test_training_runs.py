@@ -173,6 +173,29 @@ def test_train_eagle3_heads_from_three_cached_layers(tmp_path, backbone_dir, dat
         train(make_cfg(data_dir, tmp_path / "mtp", kind="mtp", feature_cache=str(cache)), model=model)
 
 
+def test_held_out_metrics_per_category(tmp_path, backbone_dir, data_dir):
+    """Data with make_data's category column: the final held-out metrics also come per category, over a partition of
+    the held-out rows (their examples and positions add up to the whole), and go into the export."""
+    import datasets
+
+    tagged = tmp_path / "tagged"
+    rows = datasets.load_from_disk(str(data_dir))
+    rows.add_column("category", ["short" if len(p) <= 6 else "long" for p in rows["prompt_ids"]]).save_to_disk(tagged)
+    (tagged / "provenance.json").write_text((data_dir / "provenance.json").read_text())
+    model, _ = load_backbone(str(backbone_dir))
+    result = train(make_cfg(tagged, tmp_path / "run", max_steps=3, save_every=0, eval_fraction=0.3), model=model)
+    data = load_data(tagged, seq_len=48, eval_fraction=0.3, eval_max_examples=64, seed=0)
+    by_category = result.metrics["by_category"]
+    assert set(by_category) == {"short", "long"}
+    assert {c: m["eval_examples"] for c, m in by_category.items()} == \
+        {c: sum(data.examples[r].category == c for r in data.eval) for c in ("short", "long")}
+    assert sum(m["eval_positions"] for m in by_category.values()) == result.metrics["eval_positions"]
+    assert by_category["short"]["head_top1"] != by_category["long"]["head_top1"]  # measured apart, not copied
+    assert DraftHeads.from_pretrained(result.export_dir).config.extra["metrics"]["by_category"] == by_category
+    untagged = train(make_cfg(data_dir, tmp_path / "plain", max_steps=1, warmup=1, save_every=0), model=model)
+    assert "by_category" not in untagged.metrics
+
+
 def test_the_step_profile_accounts_for_every_phase(tmp_path, backbone_dir, data_dir, capsys):
     from tokenmaxx.scripts import profile_training
 

@@ -36,6 +36,7 @@ class Example:
     row: int  # row of the dataset (train rows first, then held-out rows of a DatasetDict): the feature cache's key
     ids: torch.Tensor  # [T] prompt + answer tokens, cut to seq_len
     prompt_len: int
+    category: str | None = None  # the dataset's category column (make_data), when it has one
 
 
 @dataclass
@@ -47,6 +48,14 @@ class SelfDistilledData:
     fingerprint: str  # sha256 of the token columns: the identity of the data a run or a feature cache was made from
     num_rows: int
     dropped: int  # rows whose prompt leaves no answer token inside seq_len
+
+    def eval_by_category(self) -> dict[str, list[int]]:
+        """category -> its held-out rows (sorted by category); empty when the data has no category column."""
+        out: dict[str, list[int]] = {}
+        for r in self.eval:
+            if (category := self.examples[r].category) is not None:
+                out.setdefault(category, []).append(r)
+        return dict(sorted(out.items()))
 
     def window_lengths(self, num_heads: int) -> dict[int, int]:
         """row -> length of the window the heads are fed (``window_start``)."""
@@ -90,13 +99,16 @@ def read_provenance(data_dir: Path) -> dict:
     return {}
 
 
-def _rows(dataset) -> Iterator[tuple[list[int], list[int]]]:
+def _rows(dataset) -> Iterator[tuple[list[int], list[int], str | None]]:
     missing = {"prompt_ids", "answer_ids"} - set(dataset.column_names)
     if missing:
         raise ValueError(f"self-distilled data lacks columns {sorted(missing)}; it has {dataset.column_names} "
                          "(expected prompt, prompt_ids, answer_ids)")
-    for chunk in dataset.select_columns(["prompt_ids", "answer_ids"]).iter(batch_size=1024):
-        yield from zip(chunk["prompt_ids"], chunk["answer_ids"])
+    has_category = "category" in dataset.column_names
+    columns = ["prompt_ids", "answer_ids"] + (["category"] if has_category else [])
+    for chunk in dataset.select_columns(columns).iter(batch_size=1024):
+        categories = chunk["category"] if has_category else [None] * len(chunk["prompt_ids"])
+        yield from zip(chunk["prompt_ids"], chunk["answer_ids"], categories)
 
 
 def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_examples: int,
@@ -117,11 +129,11 @@ def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_exa
         parts = [(loaded, False)]
     examples, is_eval, digest, row, dropped = {}, {}, hashlib.sha256(), 0, 0
     for dataset, held_out in parts:
-        for prompt_ids, answer_ids in _rows(dataset):
+        for prompt_ids, answer_ids, category in _rows(dataset):
             tokens = np.asarray(list(prompt_ids) + list(answer_ids), dtype=np.int64)
             digest.update(np.asarray([len(prompt_ids), len(answer_ids)], dtype=np.int64).tobytes() + tokens.tobytes())
             if len(prompt_ids) < seq_len and len(answer_ids) > 0:
-                examples[row] = Example(row, torch.from_numpy(tokens[:seq_len]), len(prompt_ids))
+                examples[row] = Example(row, torch.from_numpy(tokens[:seq_len]), len(prompt_ids), category)
                 is_eval[row] = held_out
             else:
                 dropped += 1

@@ -15,7 +15,9 @@ Output folder (read it with ``datasets.load_from_disk(output_dir)``); not safe f
   shards/NNNNN/      one finished chunk each, removed once the final dataset is complete
   provenance.json    backbone id + revision, dtype, sampling, sources, counts (also the dataset's info.description)
   data-*.arrow, dataset_info.json, state.json: the Dataset. Columns: prompt (str, the user text), prompt_ids
-                     (list[int], the rendered chat prompt), answer_ids (list[int], generated, up to and including EOS)
+                     (list[int], the rendered chat prompt), answer_ids (list[int], generated, up to and including EOS),
+                     category (str: the source record's ``category`` or ``source`` field, else the source's name;
+                     the trainer reports held-out accuracy per category, provenance counts records and tokens per one)
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ class DataStats:
 class Prompt:
     messages: tuple[tuple[str, str], ...]  # (role, content) pairs, ending with a user turn
     source: str
+    category: str = ""  # the record's 'category' or 'source' field, else the source's name (``record_category``)
 
     @property
     def text(self) -> str:  # the user text being answered (the last user turn)
@@ -210,7 +213,7 @@ def read_datasets(source: str, split: str) -> Iterator[dict]:
     columns = {"messages", "conversations", "prompt", "turns"} & set(data.column_names)
     if not columns:
         raise ValueError(f"{source} has columns {data.column_names}; expected messages, conversations, prompt or turns")
-    yield from data.select_columns(sorted(columns))
+    yield from data.select_columns(sorted(columns | ({"category", "source"} & set(data.column_names))))
 
 
 def iter_source(source: str, split: str = "train", stats: DataStats | None = None) -> Iterator[dict]:
@@ -239,6 +242,17 @@ def record_messages(record: dict) -> list[tuple[str, str]] | None:
     if any(role is None or not isinstance(content, str) for role, content in out):
         return None
     return out
+
+
+def record_category(record: dict, source: str) -> str:
+    """What a prompt is counted and evaluated under: the record's ``category`` (Spec-Bench) or ``source`` (the prompt
+    mix: chat, math, rag, summarize, translate) when it is a non-empty string, else the source's name ('sharegpt', a
+    file's name without .json/.jsonl, a datasets folder's or Hub id's last part)."""
+    for key in ("category", "source"):
+        if isinstance(value := record.get(key), str) and value.strip():
+            return value.strip()
+    name = Path(source.rstrip("/")).name
+    return name.removesuffix(".jsonl").removesuffix(".json") or source
 
 
 def normalize(text: str) -> str:
@@ -284,7 +298,7 @@ def load_prompts(sources: Iterable[str], exclude: Iterable[str] = (), whole_conv
                 stats.duplicates += 1
                 continue
             seen.add(key)
-            yield Prompt(tuple(turns), source)
+            yield Prompt(tuple(turns), source, record_category(record, source))
 
 
 def select_prompts(prompts: Iterable[Prompt], tokenizer, max_prompt_len: int, limit: int = 0,
@@ -395,7 +409,7 @@ def make_data(config: DataConfig, model=None, tokenizer=None, stats: DataStats |
                       "min_prompt_tokens": config.min_prompt_tokens, "tokenizer": tokenizer.name_or_path,
                       "skipped": {k: getattr(stats, k) for k in SKIP_COUNTS}, "records_read": stats.records_read,
                       "versions": {p: importlib.metadata.version(p) for p in ("transformers", "datasets", "torch")}}
-        dataset = assemble(out, num_shards, provenance)
+        dataset = assemble(out, num_shards, provenance, [p.category for p, _ in prompts])
     else:
         remove(out / SHARDS_DIR)  # left over if a run was killed after its final commit
         dataset = datasets.load_from_disk(str(out))

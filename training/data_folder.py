@@ -24,6 +24,7 @@ def features(token_dtype: str = "int64") -> datasets.Features:
 
 
 FEATURES = features()
+CATEGORY = "category"  # optional column (make_data writes it): what the records are counted and evaluated under
 TMP_PREFIX = ".tmp-"  # anything named so in the output folder is unfinished and removed on the next run
 SETTINGS_NAME, PROVENANCE_NAME, SHARDS_DIR = "settings.json", "provenance.json", "shards"
 
@@ -80,6 +81,19 @@ def count_answer_tokens(dataset: datasets.Dataset) -> int:  # without materialis
     return pc.sum(pc.list_value_length(dataset.data.column("answer_ids"))).as_py() or 0
 
 
+def category_counts(dataset: datasets.Dataset) -> dict[str, dict[str, int]] | None:
+    """category -> {"records", "answer_tokens"} (sorted by category); None when the data has no category column."""
+    if CATEGORY not in dataset.column_names:
+        return None
+    lengths = pc.list_value_length(dataset.data.column("answer_ids")).to_pylist()
+    counts: dict[str, dict[str, int]] = {}
+    for category, n in zip(dataset.data.column(CATEGORY).to_pylist(), lengths):
+        entry = counts.setdefault(category, {"records": 0, "answer_tokens": 0})
+        entry["records"] += 1
+        entry["answer_tokens"] += n or 0
+    return dict(sorted(counts.items()))
+
+
 def write_shard(path: Path, rows: dict[str, list]) -> None:
     """Save one chunk's records under a temp name, then rename: the shard exists whole or not at all."""
     tmp = path.with_name(TMP_PREFIX + path.name)
@@ -88,11 +102,18 @@ def write_shard(path: Path, rows: dict[str, list]) -> None:
     os.replace(tmp, path)
 
 
-def assemble(out: Path, num_shards: int, provenance: dict) -> datasets.Dataset:
-    """Concatenate the shards into the final dataset in ``out`` (state.json moved in last), then drop the shards."""
+def assemble(out: Path, num_shards: int, provenance: dict, categories: list[str] | None = None) -> datasets.Dataset:
+    """Concatenate the shards into the final dataset in ``out`` (state.json moved in last), then drop the shards.
+    ``categories``: one per record, in order, added as the ``category`` column (not kept in the shards: a folder
+    whose shards were written before the column existed resumes the same)."""
     shards = [datasets.load_from_disk(str(out / SHARDS_DIR / f"{i:05d}")) for i in range(num_shards)]
     dataset = datasets.concatenate_datasets(shards)
-    provenance = {**provenance, "num_records": len(dataset), "answer_tokens": count_answer_tokens(dataset)}
+    if categories is not None:
+        if len(categories) != len(dataset):
+            raise ValueError(f"{len(categories)} categories for {len(dataset)} records in {out}")
+        dataset = dataset.add_column(CATEGORY, categories)
+    provenance = {**provenance, "num_records": len(dataset), "answer_tokens": count_answer_tokens(dataset),
+                  **({"categories": category_counts(dataset)} if categories is not None else {})}
     dataset.info.description = json.dumps(provenance, sort_keys=True)
     tmp = out / (TMP_PREFIX + "final")
     with quiet_datasets():

@@ -3,27 +3,31 @@
 The parts must be answers of the same backbone at the same revision (the heads learn what that backbone says). Rows are
 concatenated in the order given (``datasets.concatenate_datasets``). The merged ``provenance.json`` keeps every part's
 own record under ``parts`` and, at the top, what the trainer and the model card read: the settings all parts share,
-the sources (in order, without repeats) and the summed counts. The output is written under a temp name and renamed:
+the sources (in order, without repeats), the summed counts and the counts per category (when every part has make_data's
+``category`` column, which the merge then keeps). The output is written under a temp name and renamed:
 it exists whole or not at all.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
 
 from .batches import read_provenance
-from .data_folder import (FEATURES, PROVENANCE_NAME, TMP_PREFIX, count_answer_tokens, features, quiet_datasets, remove,
-                          write_json)
+from .data_folder import (CATEGORY, FEATURES, PROVENANCE_NAME, TMP_PREFIX, category_counts, count_answer_tokens,
+                          features, quiet_datasets, remove, write_json)
+
+log = logging.getLogger(__name__)
 
 MUST_AGREE = ("backbone", "backbone_revision", "eos_token_id")  # answers of another backbone are another target
 COUNTED = ("num_records", "answer_tokens")  # counted on the merged rows
 
 
-def _read_part(path: Path, wanted: datasets.Features = FEATURES) -> tuple[datasets.Dataset, dict]:
+def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
     if not (path / PROVENANCE_NAME).is_file():
         raise FileNotFoundError(f"{path} has no {PROVENANCE_NAME}: expected a folder written by make_data "
                                 "(scripts/make_data.py)")
@@ -33,11 +37,15 @@ def _read_part(path: Path, wanted: datasets.Features = FEATURES) -> tuple[datase
         raise ValueError(f"{path} holds splits {list(dataset)}; merge_data takes make_data outputs (one Dataset each)")
     if missing := sorted(set(FEATURES) - set(dataset.column_names)):
         raise ValueError(f"{path} lacks columns {missing}; it has {dataset.column_names}")
+    return dataset, provenance
+
+
+def _conform(dataset: datasets.Dataset, wanted: datasets.Features) -> datasets.Dataset:
     dataset = dataset.select_columns(list(wanted))
     if dataset.features != wanted:
         with quiet_datasets():
             dataset = dataset.cast(wanted)
-    return dataset, provenance
+    return dataset
 
 
 def merged_provenance(parts: Sequence[tuple[str, dict]], dataset: datasets.Dataset) -> dict:
@@ -48,9 +56,12 @@ def merged_provenance(parts: Sequence[tuple[str, dict]], dataset: datasets.Datas
             found = ", ".join(f"{path}: {r.get(key)!r}" for path, r in parts)
             raise ValueError(f"the parts disagree on {key} ({found}); merge only data answered by one backbone")
     shared = {k: v for k, v in records[0].items() if k not in COUNTED and all(r.get(k) == v for r in records[1:])}
+    shared.pop("categories", None)  # counted on the merged rows, when they have the column
+    categories = category_counts(dataset)
     return {**shared, "sources": list(dict.fromkeys(s for r in records for s in r.get("sources") or [])),
             "records_read": sum(int(r.get("records_read") or 0) for r in records),
             "num_records": len(dataset), "answer_tokens": count_answer_tokens(dataset),
+            **({"categories": categories} if categories is not None else {}),
             "parts": [{"path": path, **r} for path, r in parts]}
 
 
@@ -70,7 +81,15 @@ def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: b
         raise ValueError(f"the output {out} is one of the parts; choose a new folder")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new folder or pass --overwrite")
-    loaded = [_read_part(p, wanted) for p in paths]
+    loaded = [_read_part(p) for p in paths]
+    without = [str(p) for p, (d, _) in zip(paths, loaded) if CATEGORY not in d.column_names]
+    if len(without) < len(paths):  # the category column is kept when every part has it
+        if without:
+            log.warning("parts %s have no %s column (made before make_data wrote it): the merge has none", without,
+                        CATEGORY)
+        else:
+            wanted = datasets.Features({**wanted, CATEGORY: datasets.Value("string")})
+    loaded = [(_conform(d, wanted), prov) for d, prov in loaded]
     dataset = datasets.concatenate_datasets([d for d, _ in loaded])
     provenance = merged_provenance([(str(p), prov) for p, (_, prov) in zip(paths, loaded)], dataset)
     dataset.info.description = json.dumps(provenance, sort_keys=True)

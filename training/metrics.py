@@ -103,17 +103,18 @@ def _round(values: torch.Tensor) -> list[float]:
 
 @torch.no_grad()
 def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, micro_batch_size: int, rank: int,
-             world: int, all_reduce=None, embed=None) -> dict:
+             world: int, all_reduce=None, embed=None, rows: list[int] | None = None) -> dict:
     """Held-out loss and accuracy metrics of ``objective.heads``; every rank evaluates its share, then all_reduce.
-    ``embed``: the backbone's input embedding, for heads that read tokens (MTP)."""
+    ``embed``: the backbone's input embedding, for heads that read tokens (MTP). ``rows``: these held-out rows only
+    (default: all of ``data.eval``)."""
     num_heads = objective.heads.config.num_heads
     device = lm_head.weight.device
     counts = RankCounts(num_heads, tree, device)
     loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # [weighted loss * positions, positions]
     was_training = objective.training
     objective.eval()
-    for rows in eval_micro_batches(data.eval, rank, world, micro_batch_size):
-        batch = collate(data, rows, num_heads).to(device)
+    for batch_rows in eval_micro_batches(data.eval if rows is None else rows, rank, world, micro_batch_size):
+        batch = collate(data, batch_rows, num_heads).to(device)
         hidden = features.hidden(batch)  # [B, W, H]
         sel = objective.select(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head)
         logits = objective.head_logits(hidden, batch.input_ids, sel.selected, lm_head, embed)  # [K, n, V]

@@ -311,7 +311,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     bar.close()
     if saved_at != step:
         checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank, progress())
-    result.metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world)
+    result.metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world, by_category=True)
     logger.log({"split": "eval", "step": step, **result.metrics})
     logger.close()
     result.steps = step
@@ -337,9 +337,20 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     return result
 
 
-def _evaluate(objective, lm_head, embed, features, data, tree, cfg: TrainConfig, rank: int, world: int) -> dict:
-    return evaluate(objective, lm_head, features, data, tree, cfg.micro_batch_size, rank, world,
-                    all_reduce=_all_reduce if world > 1 else None, embed=embed)
+def _evaluate(objective, lm_head, embed, features, data, tree, cfg: TrainConfig, rank: int, world: int,
+              by_category: bool = False) -> dict:
+    """Held-out metrics; ``by_category``: also per category of the data (``by_category``: {category: metrics}), when
+    it has more than one."""
+    def run(rows=None):
+        return evaluate(objective, lm_head, features, data, tree, cfg.micro_batch_size, rank, world,
+                        all_reduce=_all_reduce if world > 1 else None, embed=embed, rows=rows)
+
+    metrics = run()
+    groups = data.eval_by_category() if by_category else {}
+    if len(groups) > 1:
+        metrics["by_category"] = {category: {"eval_examples": len(rows), **run(rows)}
+                                  for category, rows in groups.items()}
+    return metrics
 
 
 def _json(obj) -> str:
