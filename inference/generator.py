@@ -116,12 +116,13 @@ class SpeculativeGenerator:
         if isinstance(prompt, (list, tuple)) and prompt and all(_is_text_or_chat(p) for p in prompt):
             raise ValueError(f"batches are not supported yet: one prompt per call (got a list of {len(prompt)} "
                              "prompts)")
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ValueError(f"the prompt is empty ({'no text' if not prompt else 'only whitespace'}): expected text, "
+                             "chat messages or token ids")
         if isinstance(prompt, str) or _is_chat(prompt):
             if self.tokenizer is None:
                 raise ValueError("a text or chat prompt needs a tokenizer: pass tokenizer= or token ids")
             if isinstance(prompt, str):
-                if not prompt:
-                    raise ValueError("the prompt is empty")
                 ids = self.tokenizer(prompt, return_tensors="pt").input_ids
             else:
                 _check_messages(prompt)

@@ -20,6 +20,9 @@ def test_empty_prompt(gen):
         gen.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
     with pytest.raises(ValueError, match="empty"):
         gen.generate([], max_new_tokens=4)
+    for text, why in (("", "no text"), (" \n\t", "only whitespace")):  # said before any tokenizer is needed
+        with pytest.raises(ValueError, match=rf"the prompt is empty \({why}\)"):
+            gen.generate(text, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("n", [0, -5, 2.5])
