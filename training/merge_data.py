@@ -44,7 +44,7 @@ def _conform(dataset: datasets.Dataset, wanted: datasets.Features) -> datasets.D
     dataset = dataset.select_columns(list(wanted))
     if dataset.features != wanted:
         with quiet_datasets():
-            dataset = dataset.cast(wanted)
+            dataset = dataset.cast(wanted, keep_in_memory=True)  # no cache-*.arrow written into the part's folder
     return dataset
 
 
