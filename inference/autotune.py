@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from tokenmaxx.heads import DynamicTreeConfig, Outcome, Prefill, Tree
 from tokenmaxx.heads.attention import shared_kv_kwargs
+from tokenmaxx.heads.modeling import backbone_features
 
 from .calibration_store import cache_path, calibration_key, machine_fingerprint, write_record
 from .decoding import accept_greedy
@@ -52,16 +53,18 @@ CALIBRATION_PROMPTS = (
 )
 
 
-def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int):
+def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
+                  feature_layers: Sequence[int] | None = None):
     """Per calibration prompt: its chat input_ids [1, P], the backbone's greedy continuation seq [T] (prompt
-    included) and the final-normed hidden states along it [T, H], all on the backbone's device."""
+    included) and the states the heads read along it [T, F] (``backbone_features`` of ``feature_layers``: the
+    final-normed last state by default), all on the backbone's device."""
     device = model.get_output_embeddings().weight.device
     for text in tqdm(prompts, desc="tree='auto': calibrating on prompts", unit="prompt", leave=False,
                      file=sys.stderr):
         ids = _chat_ids(tokenizer, text, device)
         seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False)  # [1, T]
-        yield ids, seq[0], model(seq, output_hidden_states=True).hidden_states[-1][0]
+        yield ids, seq[0], backbone_features(model(seq, output_hidden_states=True).hidden_states, feature_layers)[0]
 
 
 @torch.inference_mode()
@@ -154,7 +157,8 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     device = model.get_output_embeddings().weight.device
     totals = dict.fromkeys(budgets, 0.0)
     positions, propose_s = 0, 0.0
-    for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens):
+    for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens,
+                                          drafter.feature_layers):
         start = ids.shape[1]
         # the drafter guesses over the same vocabulary as in generation (the draft vocabulary + this prompt's tokens)
         drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))

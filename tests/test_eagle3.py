@@ -129,3 +129,26 @@ def test_training_step_learns(model):
         opt.step()
         losses.append(float(loss.detach()))
     assert stats.shape == (4, 3) and losses[-1] < 0.8 * losses[0]
+
+
+def test_auto_budget_calibrates_eagle3_heads_on_their_feature_layers(tmp_path, monkeypatch):
+    """tree='auto' calibrates along the backbone's continuations with the states the heads read (three layers for
+    EAGLE-3, not the final state alone: that once failed with a shape error), then generates greedy-identically."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from tokenmaxx.inference import autotune
+
+    model, tok = tiny_model("llama", seed=12), tiny_tokenizer()
+    model.generation_config.eos_token_id = None
+    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.",))
+    heads = random_eagle3(model, seed=4)
+    seen = []
+    start = heads.drafter(model).__class__.start
+    monkeypatch.setattr(type(heads.drafter(model)), "start",
+                        lambda self, prefill: (seen.append(prefill.hidden.shape[-1]), start(self, prefill))[1])
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto", draft="heads")
+    assert seen and set(seen) == {3 * model.config.hidden_size}
+    assert gen.tree_settings.nodes in autotune.DYNAMIC_BUDGETS
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    assert_matches_greedy(gen, model, 4, seed=8)
