@@ -23,6 +23,7 @@ COMMANDS = {
     "make-data": ("make_data", "self-distilled training data: the backbone answers chat prompts"),
     "push": ("push_to_hub", "push trained heads (and their model card) to the Hugging Face Hub"),
     "export": ("export_heads", "export heads for a serving engine (an EAGLE-3 checkpoint for vLLM / SGLang)"),
+    "eval": ("eval_heads", "held-out accuracy of trained heads on a self-distilled dataset, per depth and category"),
 }
 PROG = "tokenmaxx"
 

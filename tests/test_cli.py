@@ -204,9 +204,9 @@ def test_console_help_lists_the_commands():
     assert CONSOLE.is_file(), f"{CONSOLE} is missing: reinstall (pip install --no-deps -e .)"
     out = run(CONSOLE, "--help")
     assert out.returncode == 0, out.stderr
-    for name in ("generate", "bench", "train", "make-data", "push", "export"):
+    for name in ("generate", "bench", "train", "make-data", "push", "export", "eval"):
         assert f"\n  {name} " in out.stdout
-    assert set(cli.COMMANDS) == {"generate", "bench", "train", "make-data", "push", "export"}
+    assert set(cli.COMMANDS) == {"generate", "bench", "train", "make-data", "push", "export", "eval"}
 
 
 @pytest.mark.parametrize("argv", [["bogus"], []])
@@ -229,7 +229,7 @@ def test_console_generate_help_and_script_help_agree():
 
 
 @pytest.mark.parametrize("name, flag", [("bench", "--prompts"), ("train", "--kind"), ("make-data", "--exclude"),
-                                        ("push", "--repo_id")])
+                                        ("push", "--repo_id"), ("eval", "--split")])
 def test_every_command_parses_its_scripts_flags(name, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([name, "--help"])

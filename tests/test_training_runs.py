@@ -176,12 +176,7 @@ def test_train_eagle3_heads_from_three_cached_layers(tmp_path, backbone_dir, dat
 def test_held_out_metrics_per_category(tmp_path, backbone_dir, data_dir):
     """Data with make_data's category column: the final held-out metrics also come per category, over a partition of
     the held-out rows (their examples and positions add up to the whole), and go into the export."""
-    import datasets
-
-    tagged = tmp_path / "tagged"
-    rows = datasets.load_from_disk(str(data_dir))
-    rows.add_column("category", ["short" if len(p) <= 6 else "long" for p in rows["prompt_ids"]]).save_to_disk(tagged)
-    (tagged / "provenance.json").write_text((data_dir / "provenance.json").read_text())
+    tagged = _tagged(data_dir, tmp_path / "tagged")
     model, _ = load_backbone(str(backbone_dir))
     result = train(make_cfg(tagged, tmp_path / "run", max_steps=3, save_every=0, eval_fraction=0.3), model=model)
     data = load_data(tagged, seq_len=48, eval_fraction=0.3, eval_max_examples=64, seed=0)
@@ -194,6 +189,57 @@ def test_held_out_metrics_per_category(tmp_path, backbone_dir, data_dir):
     assert DraftHeads.from_pretrained(result.export_dir).config.extra["metrics"]["by_category"] == by_category
     untagged = train(make_cfg(data_dir, tmp_path / "plain", max_steps=1, warmup=1, save_every=0), model=model)
     assert "by_category" not in untagged.metrics
+
+
+def _tagged(data_dir: Path, out: Path) -> Path:
+    """The tiny data with a category column (short / long prompts), as make_data writes one."""
+    import datasets
+
+    rows = datasets.load_from_disk(str(data_dir))
+    rows.add_column("category", ["short" if len(p) <= 6 else "long" for p in rows["prompt_ids"]]).save_to_disk(out)
+    (out / "provenance.json").write_text((data_dir / "provenance.json").read_text())
+    return out
+
+
+def test_evaluating_exported_heads_reproduces_the_runs_held_out_metrics(tmp_path, backbone_dir, data_dir, capsys):
+    """evaluate_heads / scripts/eval_heads.py on a run's export and data, with the run's split flags: the same rows
+    and the same figures as the trainer's final held-out record (overall and per category, over the draft vocabulary
+    the run trained on); --split all scores every row; bad flags end in one error."""
+    from tokenmaxx.scripts import eval_heads
+    from tokenmaxx.training.evaluation import evaluate_heads
+
+    tagged = _tagged(data_dir, tmp_path / "tagged")
+    model, _ = load_backbone(str(backbone_dir))
+    run = dict(kind="eagle3", feature_layers=[0, 1, 2], draft_vocab_size=40, loss_vocab="draft", eval_fraction=0.3,
+               max_steps=4, save_every=0)
+    result = train(make_cfg(tagged, tmp_path / "run", **run), model=model)
+    heads = DraftHeads.from_pretrained(result.export_dir)
+    split = dict(seq_len=48, eval_fraction=0.3, eval_max_examples=256, seed=0)
+    found = evaluate_heads(heads, model, tagged, **split)
+    assert found["vocab"] == "draft" and found["split"] == "held_out"
+    for got, want in [(found, result.metrics)] + [(found["by_category"][c], m)
+                                                 for c, m in result.metrics["by_category"].items()]:
+        assert got["eval_positions"] == want["eval_positions"]
+        for key in ("head_top1", "head_top5", "tree_tau_empirical", "eval_loss"):
+            assert got[key] == pytest.approx(want[key], abs=2e-4), key
+    assert set(found["by_category"]) == {"short", "long"}
+    everything = evaluate_heads(heads, model, tagged, split="all", vocab="full", **split)
+    assert everything["examples"] == len(load_data(tagged, **split).examples) > found["examples"]
+    assert everything["eval_positions"] > found["eval_positions"]
+
+    out = tmp_path / "eval.json"
+    argv = ["--heads", str(result.export_dir), "--data", str(tagged), "--backbone", str(backbone_dir), "--dtype",
+            "float32", "--seq_len", "48", "--eval_fraction", "0.3", "--out", str(out)]
+    assert eval_heads.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| all | " in printed and "| short | " in printed and "| long | " in printed
+    written = json.loads(out.read_text())
+    assert written["kind"] == "eagle3" and written["head_top1"] == pytest.approx(found["head_top1"], abs=1e-4)
+    heads.set_draft_vocab(None)
+    with pytest.raises(ValueError, match="these heads have none; use vocab='full'"):
+        evaluate_heads(heads, model, tagged, vocab="draft", **split)
+    with pytest.raises(ValueError, match=r"--split must be one of \('held_out', 'all'\), got 'test'"):
+        eval_heads.main(argv + ["--split", "test"])
 
 
 def test_the_step_profile_accounts_for_every_phase(tmp_path, backbone_dir, data_dir, capsys):

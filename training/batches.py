@@ -51,8 +51,12 @@ class SelfDistilledData:
 
     def eval_by_category(self) -> dict[str, list[int]]:
         """category -> its held-out rows (sorted by category); empty when the data has no category column."""
+        return self.by_category(self.eval)
+
+    def by_category(self, rows: list[int]) -> dict[str, list[int]]:
+        """category -> those of ``rows`` in it (sorted by category); empty when the data has no category column."""
         out: dict[str, list[int]] = {}
-        for r in self.eval:
+        for r in rows:
             if (category := self.examples[r].category) is not None:
                 out.setdefault(category, []).append(r)
         return dict(sorted(out.items()))

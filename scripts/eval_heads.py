@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Held-out accuracy of trained heads on a self-distilled dataset, per depth and per category.
+
+    python scripts/eval_heads.py --heads DIR_OR_HUB_ID --data data/mix/merged [--out runs/eval.json]
+
+Without --heads: the heads shipped for --backbone. The rows are those a training run on --data holds out (the same
+split for the same --seq_len / --eval_fraction / --eval_max_examples / --seed as train_heads), or every row with
+--split all. Two sets of heads evaluated with the same flags are scored on the same rows: the way to compare kinds or
+recipes without a bench. Bad input ends in one `error:` line and exit status 2 (--debug: the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import HfArgumentParser
+
+from tokenmaxx.heads import load_backbone
+from tokenmaxx.heads.backbones import DEVICE_HELP
+from tokenmaxx.heads.pretrained import resolve_heads
+from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.training.checkpoints import atomic_write_text
+from tokenmaxx.training.evaluation import SPLITS, VOCABS, evaluate_heads
+
+
+@dataclass
+class EvalArgs:
+    data: str = field(metadata={"help": "self-distilled dataset folder (scripts/make_data.py or merge_data.py)"})
+    heads: str | None = field(default=None, metadata={
+        "help": "heads folder or Hub id (default: the heads shipped for --backbone)"})
+    backbone: str | None = field(default=None, metadata={
+        "help": "backbone alias / folder / Hub id (default: the one the heads name, else smollm2-135m)"})
+    split: str = field(default="held_out", metadata={"help": f"rows to score, one of {SPLITS}"})
+    vocab: str = field(default="auto", metadata={
+        "help": f"one of {VOCABS}: rank over the heads' draft vocabulary (a target outside it is a miss) or over "
+                "every token; auto = draft when the heads have one"})
+    seq_len: int = field(default=512, metadata={"help": "as train_heads --seq_len (the split depends on it)"})
+    eval_fraction: float = field(default=0.05, metadata={"help": "as train_heads --eval_fraction"})
+    eval_max_examples: int = field(default=256, metadata={"help": "as train_heads --eval_max_examples"})
+    seed: int = field(default=0, metadata={"help": "as train_heads --seed"})
+    micro_batch_size: int = field(default=4, metadata={"help": "sequences per backbone forward"})
+    dtype: str = field(default="bfloat16", metadata={"help": "backbone and heads dtype: bfloat16 or float32"})
+    device: str = field(default="auto", metadata={"help": DEVICE_HELP})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's)"})
+    out: str | None = field(default=None, metadata={"help": "also write the metrics to this JSON file"})
+
+    def __post_init__(self):
+        if self.split not in SPLITS:
+            raise ValueError(f"--split must be one of {SPLITS}, got {self.split!r}")
+        if self.vocab not in VOCABS:
+            raise ValueError(f"--vocab must be one of {VOCABS}, got {self.vocab!r}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
+        for name in ("seq_len", "eval_max_examples", "micro_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+
+
+def table(metrics: dict) -> str:
+    """The record as a Markdown table: one row for all rows scored, then one per category."""
+    rows = [("all", metrics)] + list(metrics.get("by_category", {}).items())
+    lines = ["| rows | examples | positions | top-1 per depth | top-5 per depth | tree tau |", "|---|---|---|---|---|---|"]
+    for name, m in rows:
+        lines.append(f"| {name} | {m['examples']} | {m['eval_positions']} | "
+                     f"{' / '.join(f'{v:.3f}' for v in m['head_top1'])} | "
+                     f"{' / '.join(f'{v:.3f}' for v in m['head_top5'])} | {m['tree_tau_empirical']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tokenmaxx.heads import DraftHeads
+
+    heads = DraftHeads.from_pretrained(args.heads) if args.heads and args.heads != "untrained" else None
+    backbone = args.backbone or (heads.config.backbone if heads is not None else None) or "smollm2-135m"
+    model, _ = load_backbone(backbone, dtype=args.dtype, device=args.device)
+    if heads is None:
+        heads = resolve_heads(args.heads, model, backbone)
+    metrics = evaluate_heads(heads, model, args.data, split=args.split, vocab=args.vocab, seq_len=args.seq_len,
+                             eval_fraction=args.eval_fraction, eval_max_examples=args.eval_max_examples,
+                             seed=args.seed, micro_batch_size=args.micro_batch_size)
+    metrics = {"heads": args.heads or f"shipped ({backbone})", "kind": heads.config.kind, "data": args.data,
+               **metrics}
+    print(f"{metrics['kind']} heads {metrics['heads']} on {args.data} ({args.split} rows, {metrics['vocab']} "
+          f"vocabulary; depth d scored given the true tokens before it):")
+    print(table(metrics))
+    if args.out:
+        atomic_write_text(args.out, json.dumps(metrics, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_script(main))
