@@ -169,8 +169,45 @@ def test_train_eagle3_heads_from_three_cached_layers(tmp_path, backbone_dir, dat
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
     assert SpeculativeGenerator(model, heads, draft="heads").generate(prompt, max_new_tokens=16).sequences.tolist() \
         == expected.tolist()
-    with pytest.raises(ValueError, match=r"feature_layers: cache has \[0, 1, 2\], this run needs None"):
-        train(make_cfg(data_dir, tmp_path / "mtp", kind="mtp", feature_cache=str(cache)), model=model)
+    mtp_only = tmp_path / "final-state-only"
+    train(make_cfg(data_dir, tmp_path / "mtp", kind="mtp", max_steps=1, warmup=1, feature_cache=str(mtp_only)),
+          model=model)
+    with pytest.raises(ValueError, match=r"feature_layers: cache has None, this run needs a cache storing \[0, 1, 2\]"):
+        train(make_cfg(data_dir, tmp_path / "e3", **{**eagle3, "feature_cache": str(mtp_only)}), model=model)
+
+
+def test_one_feature_cache_serves_every_kind_and_layer_set_it_stores(tmp_path, backbone_dir, data_dir):
+    """--feature_cache_layers stores more hidden states than the first run reads; later runs of another kind (MTP
+    reads the final-normed state, index num_hidden_layers) or other feature layers (in another order) read their own
+    columns from it and train exactly as they do on the backbone's states; a run needing a layer it lacks, or stored
+    layers that do not include the run's own, end in one error."""
+    model, _ = load_backbone(str(backbone_dir))
+    final = model.config.num_hidden_layers
+    cache = str(tmp_path / "features")
+    shared = dict(max_steps=3, warmup=1, save_every=0)
+    train(make_cfg(data_dir, tmp_path / "first", kind="mtp", feature_cache=cache, feature_cache_layers=[0, 1, final],
+                   **shared), model=model)
+    meta = json.loads((tmp_path / "features" / "meta.json").read_text())
+    assert meta["feature_layers"] == [0, 1, final] and meta["hidden_size"] == 3 * model.config.hidden_size
+    built = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "features").glob("shard-*")}
+    for name, run in (("mtp", dict(kind="mtp")), ("eagle3", dict(kind="eagle3", feature_layers=[final, 0]))):
+        cached = train(make_cfg(data_dir, tmp_path / f"{name}-cached", feature_cache=cache, **run, **shared),
+                       model=model)
+        direct = train(make_cfg(data_dir, tmp_path / f"{name}-direct", **run, **shared), model=model)
+        assert cached.losses == pytest.approx(direct.losses, rel=1e-5), name
+        assert cached.metrics["head_top1"] == pytest.approx(direct.metrics["head_top1"], abs=1e-6), name
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "features").glob("shard-*")} == built  # not rebuilt
+    with pytest.raises(ValueError, match=rf"store_layers must be distinct hidden-state indices in 0..{final} "):
+        train(make_cfg(data_dir, tmp_path / "bad", kind="mtp", feature_cache=str(tmp_path / "other"),
+                       feature_cache_layers=[0, final + 1], **shared), model=model)
+    with pytest.raises(ValueError, match=rf"heads read hidden states \[0, 1\] but store_layers \[1, {final}\] "
+                                         r"lacks \[0\]"):
+        train(make_cfg(data_dir, tmp_path / "bad", kind="eagle3", feature_layers=[0, 1],
+                       feature_cache=str(tmp_path / "other"), feature_cache_layers=[1, final], **shared), model=model)
+    with pytest.raises(ValueError, match="--feature_cache_layers says which hidden states a feature cache stores"):
+        make_cfg(data_dir, tmp_path / "bad", feature_cache_layers=[0, 1])
+    with pytest.raises(ValueError, match=r"--feature_cache_layers must be distinct hidden-state indices >= 0, got \[1, 1\]"):
+        make_cfg(data_dir, tmp_path / "bad", feature_cache=cache, feature_cache_layers=[1, 1])
 
 
 def test_held_out_metrics_per_category(tmp_path, backbone_dir, data_dir):

@@ -13,7 +13,9 @@ Cache layout (``--feature_cache DIR``)::
 Rows are grouped into shards of ``shard_size`` consecutive dataset rows. Each shard is written under a temp name and
 renamed, so a killed build leaves only complete shards and a rerun builds just the missing ones (resumable); with
 several processes, rank r builds shards r, r+world, ... A cache made with more heads (a longer lookback) serves a run
-with fewer; anything else that differs is an error naming the field.
+with fewer, and a cache that stores more layers (``store_layers``) serves every run whose heads read a subset of them
+(index ``num_hidden_layers`` is the final-normed state that MTP and Medusa heads read): one backbone pass over the data
+then serves an ablation of kinds and feature layers. Anything else that differs is an error naming the field.
 """
 
 from __future__ import annotations
@@ -99,12 +101,47 @@ def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
             tmp.unlink()
 
 
-def _check_meta(found: dict, wanted: dict, folder: Path) -> None:
-    bad = {k: (found.get(k), v) for k, v in wanted.items() if k != "lookback" and found.get(k) != v}
+def final_state_index(model) -> int:
+    """The hidden-state index of the final-normed state (what ``layers=None`` reads): the backbone's layer count."""
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        raise ValueError(f"backbone config {type(model.config).__name__} has no num_hidden_layers: cannot tell which "
+                         "hidden state is the final one")
+    return layers
+
+
+def _stored(meta: dict, final: int) -> list[int]:
+    """The hidden-state indices a cache (meta) stores, in column order (None: the final-normed state alone)."""
+    return list(meta["feature_layers"]) if meta.get("feature_layers") else [final]
+
+
+def columns(stored: list[int], reads: list[int] | None, final: int) -> list[int] | None:
+    """Which of the stored layers' column blocks a run reading ``reads`` (None: the final state) takes, in its
+    order; None when it takes them all as stored. Raises ValueError when a layer it reads is not stored."""
+    reads = list(reads) if reads else [final]
+    missing = [i for i in reads if i not in stored]
+    if missing:
+        raise ValueError(f"the heads read hidden states {reads} but store_layers {stored} lacks {missing}")
+    picked = [stored.index(i) for i in reads]
+    return None if picked == list(range(len(stored))) else picked
+
+
+def _check_meta(found: dict, wanted: dict, folder: Path, reads: list[int] | None = None, final: int = 0) -> None:
+    skip = ("lookback", "feature_layers", "hidden_size")
+    bad = {k: (found.get(k), v) for k, v in wanted.items() if k not in skip and found.get(k) != v}
     if found.get("lookback", -1) < wanted["lookback"]:
         bad["lookback"] = (found.get("lookback"), f">= {wanted['lookback']}")
+    stored = _stored(found, final)
+    per_layer = wanted["hidden_size"] // len(_stored(wanted, final))
+    if found.get("hidden_size") != per_layer * len(stored):
+        bad["hidden_size"] = (found.get("hidden_size"), f"{per_layer} per stored layer")
+    try:
+        columns(stored, reads, final)
+    except ValueError:
+        bad["feature_layers"] = (found.get("feature_layers"), f"a cache storing {list(reads) if reads else [final]}")
     if bad:
-        detail = "; ".join(f"{k}: cache has {a!r}, this run needs {b!r}" for k, (a, b) in bad.items())
+        detail = "; ".join(f"{k}: cache has {a!r}, this run needs {b if isinstance(b, str) else repr(b)}"
+                           for k, (a, b) in bad.items())
         raise ValueError(f"feature cache {folder} was made for another run ({detail}); delete it or pass another "
                          "--feature_cache folder")
 
@@ -112,8 +149,10 @@ def _check_meta(found: dict, wanted: dict, folder: Path) -> None:
 class FeatureCache:
     """Hidden-state windows stored on disk; ``hidden(batch)`` reads them (memory-mapped) instead of the backbone."""
 
-    def __init__(self, folder: str | Path, meta: dict, device: torch.device | str = "cpu"):
+    def __init__(self, folder: str | Path, meta: dict, device: torch.device | str = "cpu",
+                 select: list[int] | None = None):
         self.folder, self.meta, self.device = Path(folder), meta, torch.device(device)  # where hidden() delivers
+        self.select = select  # which stored layers' column blocks hidden() returns, in order (None: all)
         self._index: dict[int, tuple[int, int, int, int]] | None = None  # row -> (shard, begin, end, window start)
         self._handles: dict[int, object] = {}
 
@@ -137,20 +176,33 @@ class FeatureCache:
     @classmethod
     def build_or_open(cls, folder: str | Path, model, data: SelfDistilledData, seq_len: int, num_heads: int,
                       shard_size: int = 256, batch_size: int = 8, rank: int = 0, world: int = 1,
-                      barrier: Callable[[], None] = lambda: None, layers=None) -> "FeatureCache":
+                      barrier: Callable[[], None] = lambda: None, layers=None,
+                      store_layers=None) -> "FeatureCache":
         """Open the cache at ``folder``, first building whatever shards are missing (this rank's share of them).
-        ``layers``: the heads' feature layers (None: the final-normed last states)."""
+        ``layers``: the heads' feature layers (None: the final-normed last states). ``store_layers``: the hidden-state
+        indices a new cache stores (a superset of ``layers``; default: ``layers`` exactly), so that runs reading other
+        layers can share it; an existing cache serves any run whose layers it stores."""
         folder = Path(folder)
-        wanted = cache_meta(model, data, seq_len, num_heads, shard_size, layers)
+        final = final_state_index(model)
+        if store_layers is not None:
+            store_layers = list(store_layers)
+            if len(set(store_layers)) != len(store_layers) or any(i < 0 or i > final for i in store_layers):
+                raise ValueError(f"store_layers must be distinct hidden-state indices in 0..{final} (the backbone has "
+                                 f"{final} layers; {final} is the final-normed state), got {store_layers}")
+            columns(store_layers, layers, final)  # the heads' own layers must be among them
+        wanted = cache_meta(model, data, seq_len, num_heads, shard_size,
+                            store_layers if store_layers is not None else layers)
         meta_path = folder / META
         if meta_path.is_file():
-            _check_meta(json.loads(meta_path.read_text()), wanted, folder)
+            _check_meta(json.loads(meta_path.read_text()), wanted, folder, layers, final)
         elif rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             _write_atomic(meta_path, lambda p: Path(p).write_text(json.dumps(wanted, indent=2) + "\n"))
         barrier()
         # the cache's own (maybe longer) lookback and shard size; windows are delivered on the backbone's device
-        cache = cls(folder, json.loads(meta_path.read_text()), model.get_output_embeddings().weight.device)
+        meta = json.loads(meta_path.read_text())
+        cache = cls(folder, meta, model.get_output_embeddings().weight.device,
+                    columns(_stored(meta, final), layers, final))
         todo = [s for s in range(rank, cache.num_shards, world) if not cache._shard_path(s).is_file()]
         for shard in tqdm(todo, desc="feature cache", unit="shard", disable=rank != 0 or not todo):
             cache._build_shard(shard, model, data, batch_size)
@@ -193,7 +245,11 @@ class FeatureCache:
         shard, begin, end, cached_start = self._index[row]
         if start < cached_start:
             raise ValueError(f"row {row}: the cache holds positions from {cached_start}, asked for {start}")
-        return self._handle(shard).get_slice("hidden")[begin + start - cached_start: end]
+        states = self._handle(shard).get_slice("hidden")[begin + start - cached_start: end]  # [T - start, n * H]
+        if self.select is None:
+            return states
+        blocks = states.view(states.shape[0], -1, self.meta["hidden_size"] // len(self.meta["feature_layers"]))
+        return blocks[:, self.select].reshape(states.shape[0], -1)  # [T - start, len(select) * H]
 
     def hidden(self, batch: Batch) -> torch.Tensor:  # -> [B, W, H] on the backbone's device
         windows = [self.window(r, s) for r, s in zip(batch.rows, batch.starts)]

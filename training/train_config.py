@@ -47,6 +47,11 @@ class TrainConfig:
     feature_cache: str | None = field(default=None, metadata={
         "help": "folder for the frozen backbone's cached last hidden states (built on first use, resumable); "
                 "omit to run the backbone on every micro-batch"})
+    feature_cache_layers: list[int] | None = field(default=None, metadata={
+        "help": "the backbone hidden states a new --feature_cache stores (indices; L = the backbone's layer count is "
+                "the final-normed state mtp/medusa heads read); a superset of what the heads read lets runs of other "
+                "kinds or --feature_layers share one cache (one backbone pass for an ablation); default: exactly "
+                "what the heads read"})
     seed: int = field(default=0, metadata={"help": "seed of the train/eval split and the per-epoch data order"})
     group_by_length: bool = field(default=True, metadata={
         "help": "regroup each optimizer step's sequences into micro-batches of similar length (less padding; the "
@@ -155,6 +160,14 @@ class TrainConfig:
         if self.loss_vocab == "draft" and not self.draft_vocab_size:
             raise ValueError("--loss_vocab draft scores the heads over the draft vocabulary: give its size with "
                              "--draft_vocab_size")
+        if self.feature_cache_layers is not None:
+            if not self.feature_cache:
+                raise ValueError("--feature_cache_layers says which hidden states a feature cache stores: give the "
+                                 "cache's folder with --feature_cache")
+            if (not self.feature_cache_layers or len(set(self.feature_cache_layers)) != len(self.feature_cache_layers)
+                    or min(self.feature_cache_layers) < 0):
+                raise ValueError(f"--feature_cache_layers must be distinct hidden-state indices >= 0, got "
+                                 f"{self.feature_cache_layers!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 < self.head_decay <= 1.0:

@@ -247,7 +247,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     _barrier()
     if cfg.feature_cache:  # 6. features
         features = FeatureCache.build_or_open(cfg.feature_cache, model, data, cfg.seq_len, cfg.num_heads,
-                                              rank=rank, world=world, barrier=_barrier, layers=heads.feature_layers)
+                                              rank=rank, world=world, barrier=_barrier, layers=heads.feature_layers,
+                                              store_layers=cfg.feature_cache_layers)
     else:
         features = BackboneFeatures(model, data, heads.feature_layers)
     out = Path(cfg.output_dir)
