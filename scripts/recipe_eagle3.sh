@@ -14,7 +14,8 @@
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
 # train; default train), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
 # RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
-# of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384). Costs on the 2-core CPU: the
+# of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384), KIND (eagle3, or mtp: the same
+# data and recipe for the MTP kind, which learned faster on this backbone; docs/benchmarks.md, session 16). Costs on the 2-core CPU: the
 # mix builds in ~1.5 min; answers ~105 tokens/s in one process (the mix's prompts are long: multi-turn context,
 # passages), ~55 min a part; on a GPU (DEVICE=cuda) minutes in all. docs/benchmarks.md has the measured figures.
 set -euo pipefail
@@ -26,7 +27,8 @@ DEVICE=${DEVICE:-auto}
 EXCLUDE=${EXCLUDE:-../shared/bench}
 MIX=${MIX:-data/mix}
 KEPT=${KEPT:-distilled/smollm2-mix}
-RUN=${RUN:-runs/smollm2-eagle3}
+KIND=${KIND:-eagle3}
+RUN=${RUN:-runs/smollm2-$KIND}
 EXPORT=${EXPORT:-$RUN/heads}
 CORES=$(nproc)
 JOBS=${JOBS:-$([ "$DEVICE" = cpu ] || [ "$DEVICE" = auto ] && [ "$CORES" -le 4 ] && echo 2 || echo 1)}
@@ -78,7 +80,7 @@ for p in $(seq -f "%03g" 0 $((PARTS - 1))); do DONE+=("$KEPT/part-$p"); done
 RESUME=()
 if [ -f "$RUN/checkpoints/latest" ]; then RESUME=(--resume); fi
 ARGS=(--data "$MIX/merged" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE"
-      --kind eagle3 --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum $((4 / NPROC)) --epochs 3 --lr 1e-3
+      --kind "$KIND" --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum $((4 / NPROC)) --epochs 3 --lr 1e-3
       --warmup 100 --loss ce --head_decay 0.8 --draft_vocab_size "$DRAFT_VOCAB" --loss_vocab draft
       --feature_cache "$RUN/features" --save_every 200 --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT"
       "${RESUME[@]}")
