@@ -126,7 +126,7 @@ def columns(stored: list[int], reads: list[int] | None, final: int) -> list[int]
     return None if picked == list(range(len(stored))) else picked
 
 
-def _check_meta(found: dict, wanted: dict, folder: Path, reads: list[int] | None = None, final: int = 0) -> None:
+def _check_meta(found: dict, wanted: dict, folder: Path, reads: list[int] | None, final: int) -> None:
     skip = ("lookback", "feature_layers", "hidden_size")
     bad = {k: (found.get(k), v) for k, v in wanted.items() if k not in skip and found.get(k) != v}
     if found.get("lookback", -1) < wanted["lookback"]:
