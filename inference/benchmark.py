@@ -185,13 +185,14 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
 
 
 def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
-    """What ran the benchmark: host CPU, threads, versions, dtype, and the device the backbone ran on by name."""
+    """What ran the benchmark: host CPU and its vector ISA, threads, versions, dtype, and the device the backbone ran
+    on by name."""
     import transformers
 
-    from .calibration_store import cpu_name, device_name
+    from .calibration_store import cpu_isa, cpu_name, device_name
 
-    return {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "dtype": dtype, "platform": platform.platform(),
+    return {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": threads, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(), "dtype": dtype, "platform": platform.platform(),
             "device": device_name(device)}
 
 

@@ -1,8 +1,9 @@
 """Where calibrations (verify latency tables, ``tree="auto"`` choices) are cached on disk, and under which key.
 
 A record is a JSON file CACHE/calibration/KEY.json (``tokenmaxx.heads.cache_dir``), written under a temp name then
-renamed. Keys cover the backbone's identity, the heads' weights where they matter, the machine (CPU model, threads,
-torch, dtype, and the device the backbone runs on by name: an H200's table is never read on a CPU, nor the reverse)
+renamed. Keys cover the backbone's identity, the heads' weights where they matter, the machine (CPU model and the
+vector instructions PyTorch uses on it, threads, torch, dtype, and the device the backbone runs on by name: an H200's
+table is never read on a CPU, nor the reverse)
 and ``CALIBRATION_VERSION``, so a table measured on one machine is never read on another.
 """
 
@@ -17,8 +18,8 @@ import torch
 
 from tokenmaxx.heads import backbone_identity, cache_dir
 
-CALIBRATION_VERSION = 4  # bumped when the calibration method or what it times changes (4: GQA verify), so stale
-# cached choices and latency tables are not reused
+CALIBRATION_VERSION = 5  # bumped when the calibration method, what it times or the key changes (4: GQA verify; 5: the
+# CPU's vector ISA in the key), so stale cached choices and latency tables are not reused
 
 
 def cache_path(key: str, cache_root: Path | None) -> Path:
@@ -43,6 +44,16 @@ def cpu_name() -> str:
         return platform.processor()
 
 
+def cpu_isa() -> str:
+    """The vector instruction set PyTorch's CPU kernels use here ("AVX512", "AVX2", ...). CPUs sold under one model
+    name differ in it (an "AMD EPYC" with AVX-512 runs bf16 matmuls several times faster than one with AVX2 only), so
+    timings and calibrations name it beside the model."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def device_name(device: torch.device) -> str:
     """What runs the backbone: "cpu: " and the CPU model, or the accelerator's type and name ("cuda: NVIDIA H200")."""
     if device.type == "cpu":
@@ -51,10 +62,10 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_fingerprint(model) -> dict:
-    """The machine a calibration holds for: host CPU and threads (the loop's Python side runs there), torch, the
-    backbone's dtype, and the device it runs on (``device_name``)."""
+    """The machine a calibration holds for: host CPU, its vector ISA and threads (the loop's Python side runs there),
+    torch, the backbone's dtype, and the device it runs on (``device_name``)."""
     weight = model.get_output_embeddings().weight
-    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dtype": str(weight.dtype), "device": device_name(weight.device)}
 
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from tokenmaxx.heads import Prefill, Tree
 from tokenmaxx.heads.attention import shared_kv_kwargs, shares_kv_heads
-from tokenmaxx.inference import SpeculativeGenerator, timing, verify
+from tokenmaxx.inference import SpeculativeGenerator, calibration_store, timing, verify
 from tokenmaxx.inference.benchmark import Prompt, hf_method, run_benchmark
 from tokenmaxx.inference.calibration_store import calibration_key, device_name, machine_fingerprint
 from tokenmaxx.inference.decoding import tree_attention_bias
@@ -190,6 +190,21 @@ def test_calibration_keys_tell_devices_apart(monkeypatch):
     assert {k: v for k, v in h200.items() if k != "device"} == {k: v for k, v in cpu.items() if k != "device"}
     keys = {calibration_key(model, heads, machine) for machine in (cpu, h200, a100)}
     assert len(keys) == 3
+
+
+def test_calibration_keys_tell_cpu_instruction_sets_apart(monkeypatch):
+    """Two CPUs of one model name ("AMD EPYC") with and without AVX-512 time bf16 verifies several times apart: a
+    latency table or tree="auto" choice made on one is not read on the other."""
+    model = _model()
+    heads = random_heads(model)
+    assert calibration_store.cpu_isa() == torch.backends.cpu.get_cpu_capability()
+    keys = set()
+    for isa in ("AVX512", "AVX2"):
+        monkeypatch.setattr(calibration_store, "cpu_isa", lambda isa=isa: isa)
+        machine = machine_fingerprint(model)
+        assert machine["cpu_isa"] == isa
+        keys.add(calibration_key(model, heads, machine))
+    assert len(keys) == 2
 
 
 def test_kv_head_sharing_stays_off_off_the_cpu():

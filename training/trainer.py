@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, backbone_identity, load_backbone
 from tokenmaxx.heads.tree import parse_tree
-from tokenmaxx.inference.calibration_store import cpu_name, device_name
+from tokenmaxx.inference.calibration_store import cpu_isa, cpu_name, device_name
 from tokenmaxx.inference.timing import clock
 
 from . import checkpoints
@@ -320,8 +320,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     result.wall_seconds = time.perf_counter() - wall_start
     total = progress()
     extra = {"training": cfg.to_dict(), "requested": requested, "deepspeed": ds, "world_size": world,
-             "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                         "device": device_name(device)},
+             "machine": {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(),
+                         "torch": torch.__version__, "device": device_name(device)},
              "data": {"path": str(cfg.data), "provenance": data.provenance, "fingerprint": data.fingerprint,
                       "rows": data.num_rows, "train_examples": len(data.train), "eval_examples": len(data.eval),
                       "dropped": data.dropped},
