@@ -6,13 +6,16 @@
 #   2. answers   make_data per part, in order, until PARTS parts are done (each part resumes where it stopped;
 #                finished parts are never redone); a finished part's compact copy goes to distilled/smollm2-mix/part-NNN
 #                (committed; parts found there are not answered again)
+#      stash     (STAGE=stash, run beside or after a stopped answers stage) copies the finished shards of every
+#                unfinished part to distilled/smollm2-mix/unfinished/part-NNN (committed): the answers stage of a later
+#                session, on a fresh machine, starts from them instead of from nothing
 #   3. merge     merge_data of the finished parts -> data/mix/merged (remade when the part count changed)
 #   4. train     train_heads --kind eagle3 with a feature cache (three layers' states), --resume when a checkpoint
 #                exists; export to $EXPORT. The held-out metrics come per category of the mix too (chat, math, rag,
 #                summarize, translate: make_data keeps each prompt's source as the record's category)
 #
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
-# train; default train), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
+# train; default train; or stash), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
 # RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
 # of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384), KIND (eagle3, or mtp: the same
 # data and recipe for the MTP kind, which learned faster on this backbone; docs/benchmarks.md, session 16). Costs on the 2-core CPU: the
@@ -47,20 +50,45 @@ fi
 #    are answered at once, each process on its share of the cores (on 2 cores, 2 one-thread processes answered
 #    1.3-1.8x the tokens/s of one two-thread process: batched generation's small matmuls scale poorly across
 #    threads). A part stopped midway resumes at its last finished shard of 256 prompts.
+UNFINISHED=$KEPT/unfinished
+stash_part() {  # finished shards (each written under a temp name, then renamed) of a part still being answered
+  local p=$1 src=$MIX/part-$1 dst=$UNFINISHED/part-$1
+  [ -f "$src/settings.json" ] && [ -d "$src/shards" ] && [ ! -f "$src/state.json" ] || return 0
+  local shards=("$src"/shards/[0-9][0-9][0-9][0-9][0-9])
+  [ -d "${shards[0]}" ] || return 0
+  rm -rf "$dst.tmp" && mkdir -p "$dst.tmp/shards"
+  cp "$src/settings.json" "$dst.tmp/" && cp -r "${shards[@]}" "$dst.tmp/shards/"
+  rm -rf "$dst" && mv "$dst.tmp" "$dst"
+  echo "stashed part $p: ${#shards[@]} finished shards -> $dst"
+}
+restore_part() {  # a stash from an earlier session, on a machine that has no working copy of the part
+  local p=$1 src=$UNFINISHED/part-$1 dst=$MIX/part-$1
+  if [ -f "$src/settings.json" ] && [ ! -e "$dst" ]; then
+    mkdir -p "$dst" && cp -r "$src/settings.json" "$src/shards" "$dst/"
+    echo "part $p resumes from $(ls "$src/shards" | wc -l) stashed shards"
+  fi
+}
 answer_part() {
   local p=$1
   "$PY" scripts/make_data.py --output_dir "$MIX/part-$p" --sources "$MIX/prompts-$p.jsonl" --whole_conversation true \
     --exclude "$EXCLUDE" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE" --max_new_tokens 256 \
     --batch_size 32
   "$PY" scripts/merge_data.py "$MIX/part-$p" --output_dir "$KEPT/part-$p" --token_dtype int32
+  rm -rf "$UNFINISHED/part-$p"
+  rmdir "$UNFINISHED" 2>/dev/null || true
 }
 TODO=()
 for p in $(seq -f "%03g" 0 $((PARTS - 1))); do
   [ -f "$KEPT/part-$p/provenance.json" ] || TODO+=("$p")
 done
+if [ "$STAGE" = stash ]; then
+  for p in "${TODO[@]}"; do stash_part "$p"; done
+  exit 0
+fi
 for ((i = 0; i < ${#TODO[@]}; i += JOBS)); do
   PIDS=()
   for p in "${TODO[@]:i:JOBS}"; do
+    restore_part "$p"
     echo "answering part $p (log: $MIX/part-$p.log)"
     OMP_NUM_THREADS=$THREADS answer_part "$p" > "$MIX/part-$p.log" 2>&1 &
     PIDS+=($!)

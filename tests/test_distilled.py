@@ -10,7 +10,7 @@ import pytest
 from tokenmaxx.heads import BACKBONES
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.data import load_exclusions, normalize
-from tokenmaxx.training.data_folder import category_counts, count_answer_tokens
+from tokenmaxx.training.data_folder import category_counts, count_answer_tokens, features
 
 REPO = Path(__file__).resolve().parents[1]
 KEPT = REPO / "distilled"
@@ -49,3 +49,27 @@ def test_no_benchmark_prompt_was_answered(part):
     excluded = load_exclusions([str(bench)])
     prompts = datasets.load_from_disk(str(part))["prompt"]
     assert not [p for p in prompts if normalize(p) in excluded]
+
+
+UNFINISHED = sorted(KEPT.glob("*/unfinished/part-*"))  # recipe_eagle3.sh STAGE=stash: shards of a part not yet done
+
+
+@pytest.mark.parametrize("part", UNFINISHED, ids=[p.name for p in UNFINISHED])
+def test_each_unfinished_part_resumes_from_whole_shards_of_the_right_run(part):
+    settings = json.loads((part / "settings.json").read_text())
+    spec = BACKBONES["smollm2-135m"]
+    assert (settings["backbone"], settings["backbone_revision"]) == ("smollm2-135m", spec.sha256)
+    assert settings["sampling"] == {"greedy": True} and settings["dtype"] == "bfloat16"
+    shards = sorted((part / "shards").iterdir())
+    assert shards and all(s.name.isdigit() and len(s.name) == 5 for s in shards)  # no half-written temp shard
+    chunks = -(-settings["num_prompts"] // settings["chunk_size"])
+    assert len(shards) < chunks  # else the part would be finished and kept as a part
+    bench = REPO.parent / "shared" / "bench"
+    excluded = load_exclusions([str(bench)]) if bench.is_dir() else set()
+    for shard in shards:
+        rows = datasets.load_from_disk(str(shard))
+        assert rows.features == features() and int(shard.name) < chunks
+        last = int(shard.name) == chunks - 1
+        assert len(rows) == (settings["num_prompts"] - (chunks - 1) * settings["chunk_size"] if last
+                             else settings["chunk_size"])
+        assert not [p for p in rows["prompt"] if normalize(p) in excluded]

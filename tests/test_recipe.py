@@ -1,0 +1,97 @@
+"""scripts/recipe_eagle3.sh across sessions: the finished shards of a part still being answered are stashed in the
+kept folder (committed to git), and a later session on a fresh machine resumes the part from them; a part that
+finishes leaves no stash behind. Python is stood in for by a stub that logs what it was asked to run."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "scripts" / "recipe_eagle3.sh"
+
+STUB = r"""#!/usr/bin/env bash
+# python stand-in: logs the script; make_data notes the shards it starts from, merge_data writes a finished part
+script=$1; shift
+out=
+while [ $# -gt 0 ]; do [ "$1" = --output_dir ] && out=$2; shift; done
+echo "$script $out" >> "$STUB_LOG"
+case "$script" in
+  scripts/make_data.py) ls "$out/shards" > "$out.started_from" ;;
+  scripts/merge_data.py) mkdir -p "$out" && echo '{}' > "$out/provenance.json" ;;
+  *) exit 3 ;;
+esac
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    mix, kept = tmp_path / "mix", tmp_path / "kept"
+    mix.mkdir()
+    kept.mkdir()
+    (mix / "mix.json").write_text("{}")  # the prompts stage has run
+
+    def run(stage: str, parts: int = 1) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PY": str(stub), "MIX": str(mix), "KEPT": str(kept), "STAGE": stage,
+               "PARTS": str(parts), "JOBS": "1", "STUB_LOG": str(tmp_path / "log")}
+        out = subprocess.run(["bash", str(RECIPE)], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out
+
+    return mix, kept, run
+
+
+def _part(folder: Path, shards: list[str], finished: bool = False) -> None:
+    (folder / "shards").mkdir(parents=True)
+    (folder / "settings.json").write_text('{"num_prompts": 2048}')
+    for name in shards:
+        (folder / "shards" / name).mkdir()
+        (folder / "shards" / name / "data-00000-of-00001.arrow").write_text(name)
+    if finished:
+        (folder / "state.json").write_text("{}")
+
+
+def test_unfinished_parts_are_stashed_and_resumed_on_a_fresh_machine(recipe):
+    mix, kept, run = recipe
+    _part(mix / "part-000", ["00000", "00001", ".tmp-00002"])  # shard 2 is still being written
+    out = run("stash")
+    stash = kept / "unfinished" / "part-000"
+    assert "stashed part 000: 2 finished shards" in out.stdout
+    assert sorted(p.name for p in (stash / "shards").iterdir()) == ["00000", "00001"]
+    assert (stash / "settings.json").read_text() == '{"num_prompts": 2048}'
+    assert (stash / "shards" / "00001" / "data-00000-of-00001.arrow").read_text() == "00001"
+
+    # a later session: a fresh machine has the committed folder but no working copy of the part
+    for f in sorted((mix / "part-000").rglob("*"), reverse=True):
+        f.rmdir() if f.is_dir() else f.unlink()
+    (mix / "part-000").rmdir()
+    out = run("answers")
+    assert "part 000 resumes from 2 stashed shards" in out.stdout
+    assert (mix / "part-000.started_from").read_text().split() == ["00000", "00001"]
+    assert (kept / "part-000" / "provenance.json").is_file()
+    assert not (kept / "unfinished").exists()  # the finished part's stash is gone
+
+
+def test_stash_skips_finished_and_kept_parts_and_never_overwrites_a_working_copy(recipe):
+    mix, kept, run = recipe
+    _part(mix / "part-000", ["00000"], finished=True)  # assembled: nothing to stash
+    _part(mix / "part-001", ["00000"])
+    (kept / "part-001").mkdir()
+    (kept / "part-001" / "provenance.json").write_text("{}")  # already kept
+    _part(mix / "part-002", [])  # started, no shard finished yet
+    out = run("stash", parts=3)
+    assert "stashed" not in out.stdout and not (kept / "unfinished").exists()
+
+    # a working copy that is further along than an old stash is not replaced by it
+    _part(kept / "unfinished" / "part-002", ["00000"])
+    (mix / "part-002" / "shards" / "00000").mkdir()
+    (mix / "part-002" / "shards" / "00001").mkdir()
+    run("answers", parts=3)
+    assert (mix / "part-002.started_from").read_text().split() == ["00000", "00001"]
+    log = (mix.parent / "log").read_text()
+    assert "part-001" not in log  # kept parts are never answered again
+    assert not (kept / "unfinished").exists()
