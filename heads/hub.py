@@ -80,13 +80,15 @@ def _hub_errors(endpoint: str, repo_id: str, token_source: str | None, stage: li
 
 def push_to_hub(heads, repo_id: str, *, token: str | None = None, private: bool = False, revision: str | None = None,
                 commit_message: str | None = None, bench: str | os.PathLike | dict | None = None,
-                license: str | None = None, endpoint: str | None = None):
+                license: str | None = None, endpoint: str | None = None, bench_methods: list[str] | None = None):
     """Upload heads (a DraftHeads or a folder saved by ``save_pretrained``) with a generated README.md model card.
 
     Creates the repo if needed (``private`` applies only then) and the branch ``revision`` if it is missing (from
     main); commits config.json, model.safetensors and README.md in one commit. ``bench``: a bench JSON (path or dict)
-    whose tau and speedup per category go into the card. ``endpoint``: a Hub URL (default: huggingface_hub's, i.e.
-    HF_ENDPOINT at import). Returns huggingface_hub's CommitInfo (``.oid``, ``.commit_url``).
+    whose tau and speedup per category go into the card; ``bench_methods`` the raw method names of its rows to show
+    (default ``card.card_methods``: the references and the methods named after the heads' kind). ``endpoint``: a Hub
+    URL (default: huggingface_hub's, i.e. HF_ENDPOINT at import). Returns huggingface_hub's CommitInfo (``.oid``,
+    ``.commit_url``).
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -101,7 +103,7 @@ def push_to_hub(heads, repo_id: str, *, token: str | None = None, private: bool 
         else:
             folder = Path(tmp)
             heads.save_pretrained(folder)
-        card = render_model_card(heads.config, repo_id, bench, license)
+        card = render_model_card(heads.config, repo_id, bench, license, bench_methods)
         api = HfApi(endpoint=endpoint, token=token, library_name="tokenmaxx")
         message = commit_message or (f"Upload tokenmaxx {heads.config.kind} heads (K={heads.config.num_heads}) "
                                      f"for {heads.config.backbone or 'their backbone'}")

@@ -33,6 +33,10 @@ class PushArgs:
     commit_message: str | None = field(default=None, metadata={"help": "commit message (default: names the heads)"})
     bench: str | None = field(default=None, metadata={
         "help": "bench JSON (scripts/bench.py) whose tau and speedup per category go into the model card"})
+    bench_methods: str | None = field(default=None, metadata={
+        "help": "comma-separated raw method names of --bench the card shows, in the bench's order (default: the "
+                "reference methods and those named after the heads' kind, e.g. mtp and mtp_hybrid); use it when the "
+                "bench ran these heads as its --heads (tokenmaxx, hybrid)"})
     license: str | None = field(default=None, metadata={
         "help": "license id for the card (default: the backbone's, when known)"})
     endpoint: str | None = field(default=None, metadata={"help": "Hub URL (default: HF_ENDPOINT or huggingface.co)"})
@@ -45,12 +49,15 @@ class PushArgs:
 def main(argv=None) -> int:
     (args,) = HfArgumentParser(PushArgs).parse_args_into_dataclasses(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    methods = [m.strip() for m in args.bench_methods.split(",") if m.strip()] if args.bench_methods else None
+    if methods is not None and args.bench is None:
+        raise ValueError("--bench_methods names rows of a bench JSON: give the JSON with --bench")
     if args.card_only:
-        print(f"wrote {save_model_card(args.heads, args.repo_id, args.bench, args.license, overwrite=args.overwrite)}")
+        print(f"wrote {save_model_card(args.heads, args.repo_id, args.bench, args.license, methods, args.overwrite)}")
         return 0
     info = push_to_hub(args.heads, args.repo_id, private=args.private, revision=args.revision,
                        commit_message=args.commit_message, bench=args.bench, license=args.license,
-                       endpoint=args.endpoint)
+                       endpoint=args.endpoint, bench_methods=methods)
     print(f"pushed {args.heads} to {args.repo_id} (revision {args.revision or 'main'}): {info.commit_url}")
     return 0
 
