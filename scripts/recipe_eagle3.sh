@@ -18,9 +18,10 @@
 # train; default train; or stash), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
 # RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
 # of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384), KIND (eagle3, or mtp: the same
-# data and recipe for the MTP kind, which learned faster on this backbone; docs/benchmarks.md, session 16). Costs on the 2-core CPU: the
-# mix builds in ~1.5 min; answers ~105 tokens/s in one process (the mix's prompts are long: multi-turn context,
-# passages), ~55 min a part on the Xeon (~7x that on an AVX2-only EPYC); on a GPU (DEVICE=cuda) minutes in all. docs/benchmarks.md has the measured figures.
+# data and recipe for the MTP kind, which learned faster on this backbone and made the shipped default heads;
+# docs/benchmarks.md, session 16). Costs on the 2-core CPU: the mix builds in ~1.5 min; answers ~105 tokens/s in one
+# process (the mix's prompts are long: multi-turn context, passages), ~55 min a part on the Xeon (~7x that on an
+# AVX2-only EPYC); on a GPU (DEVICE=cuda) minutes in all. docs/benchmarks.md has the measured figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
