@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, lo
 from tokenmaxx.heads.attention import shared_kv_kwargs
 
 from .autotune import resolve_auto
+from .calibration_store import cpu_has_native_bf16, cpu_isa, cpu_name
 from .decoding import accept_greedy
 from .drafting import DEFAULT_DRAFT, check_draft_mode, make_drafter
 from .latency import cached_latency
@@ -39,6 +41,22 @@ class GenerationOutput:
     stats: GenerationStats
     text: str | None = None  # decoded new tokens, when a tokenizer is known
 
+
+
+class EmulatedBf16Warning(UserWarning):
+    """The backbone runs in bfloat16 on a CPU that has no native bf16 (see ``warn_if_bf16_is_emulated``)."""
+
+
+def warn_if_bf16_is_emulated(model) -> None:
+    """Warn when ``model`` runs in bf16 on a CPU without native bf16 (AVX2 only): there verifying a tree costs nearly a
+    decode step per token, so drafting barely pays, and float32 is faster (the demo prompt on a 2-core AVX2 EPYC: hybrid
+    1.41x over plain generate in fp32, 0.87x in bf16; docs/benchmarks.md)."""
+    weight = model.get_output_embeddings().weight
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        warnings.warn(EmulatedBf16Warning(
+            f"bfloat16 on this CPU ({cpu_name()}, {cpu_isa()}) has no native bf16 support, so speculative decoding "
+            "barely pays in it; dtype='float32' is faster here (on an AVX2-only CPU the hybrid gave 1.41x in float32 "
+            "and 0.87x in bfloat16)"), stacklevel=3)
 
 class SpeculativeGenerator:
     """Speculative generation with draft heads on a frozen backbone; output equals the backbone's own.
@@ -93,6 +111,7 @@ class SpeculativeGenerator:
             if heads is None:
                 raise FileNotFoundError(f"no heads are shipped for backbone {backbone!r}; pass heads=PATH_OR_REPO")
         model, tokenizer = load_backbone(backbone, dtype=dtype, device=device)
+        warn_if_bf16_is_emulated(model)
         return cls.create(model, DraftHeads.from_pretrained(heads, revision=revision), tokenizer=tokenizer,
                           tree=tree, **kwargs)
 
