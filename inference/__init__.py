@@ -11,5 +11,5 @@ from .sampling import TypicalAcceptance, accept_sampling, accept_typical
 
 __all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree", "Accepted", "Verified",
            "accept_greedy", "commit", "verify", "DEFAULT_DRAFT", "DRAFT_MODES", "Drafter", "make_drafter",
-           "DEFAULT_DTYPE", "EmulatedBf16Warning", "GenerationOutput", "GenerationStats", "SpeculativeGenerator", "LookupConfig",
-           "TypicalAcceptance", "accept_sampling", "accept_typical"]
+           "DEFAULT_DTYPE", "EmulatedBf16Warning", "GenerationOutput", "GenerationStats", "SpeculativeGenerator",
+           "LookupConfig", "TypicalAcceptance", "accept_sampling", "accept_typical"]

@@ -192,8 +192,8 @@ def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
     from .calibration_store import cpu_isa, cpu_name, device_name
 
     return {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": threads, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(), "dtype": dtype, "platform": platform.platform(),
-            "device": device_name(device)}
+            "transformers": transformers.__version__, "python": platform.python_version(), "dtype": dtype,
+            "platform": platform.platform(), "device": device_name(device)}
 
 
 def markdown_table(report: dict) -> str:

@@ -24,12 +24,17 @@ def test_the_kept_data_is_small_enough():
     assert size <= LIMIT, f"distilled/ holds {size / 2**20:.1f} MiB, over {LIMIT / 2**20:.0f} MiB"
 
 
+def _assert_answered_by_the_recipe(record: dict) -> None:
+    """A part's provenance (or an unfinished part's settings): greedy bf16 answers of smollm2-135m at its revision."""
+    spec = BACKBONES["smollm2-135m"]
+    assert (record["backbone"], record["backbone_revision"]) == ("smollm2-135m", spec.sha256)
+    assert record["sampling"] == {"greedy": True} and record["dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("part", PARTS, ids=[p.name for p in PARTS])
 def test_each_part_loads_with_its_provenance(part):
     provenance = json.loads((part / "provenance.json").read_text())
-    spec = BACKBONES["smollm2-135m"]
-    assert (provenance["backbone"], provenance["backbone_revision"]) == ("smollm2-135m", spec.sha256)
-    assert provenance["sampling"] == {"greedy": True} and provenance["dtype"] == "bfloat16"
+    _assert_answered_by_the_recipe(provenance)
     # benchmark prompts were excluded when it was made (checked against the files again below where they exist)
     assert provenance["exclude"] and all(f.endswith(".jsonl") for f in provenance["exclude"])
     dataset = datasets.load_from_disk(str(part))
@@ -57,9 +62,7 @@ UNFINISHED = sorted(KEPT.glob("*/unfinished/part-*"))  # recipe_eagle3.sh STAGE=
 @pytest.mark.parametrize("part", UNFINISHED, ids=[p.name for p in UNFINISHED])
 def test_each_unfinished_part_resumes_from_whole_shards_of_the_right_run(part):
     settings = json.loads((part / "settings.json").read_text())
-    spec = BACKBONES["smollm2-135m"]
-    assert (settings["backbone"], settings["backbone_revision"]) == ("smollm2-135m", spec.sha256)
-    assert settings["sampling"] == {"greedy": True} and settings["dtype"] == "bfloat16"
+    _assert_answered_by_the_recipe(settings)
     shards = sorted((part / "shards").iterdir())
     assert shards and all(s.name.isdigit() and len(s.name) == 5 for s in shards)  # no half-written temp shard
     chunks = -(-settings["num_prompts"] // settings["chunk_size"])
