@@ -15,7 +15,9 @@
 #                summarize, translate: make_data keeps each prompt's source as the record's category)
 #
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
-# train; default train; or stash), DEVICE (auto), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
+# train; default train; or stash), DEVICE (auto), DTYPE (the answers' dtype, default auto: bfloat16 on a GPU or a CPU
+# with native bf16, float32 on a CPU without, where emulated bf16 answered ~4.6x slower; a part keeps the dtype it was
+# started with), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
 # RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
 # of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384), KIND (eagle3, or mtp: the same
 # data and recipe for the MTP kind, which learned faster on this backbone and made the shipped default heads;
@@ -28,6 +30,7 @@ PY=${PY:-.venv/bin/python}
 PARTS=${PARTS:-6}
 STAGE=${STAGE:-train}
 DEVICE=${DEVICE:-auto}
+DTYPE=${DTYPE:-auto}
 EXCLUDE=${EXCLUDE:-../shared/bench}
 MIX=${MIX:-data/mix}
 KEPT=${KEPT:-distilled/smollm2-mix}
@@ -69,10 +72,14 @@ restore_part() {  # a stash from an earlier session, on a machine that has no wo
     echo "part $p resumes from $(ls "$src/shards" | wc -l) stashed shards"
   fi
 }
+part_dtype() {  # a part resumes in the dtype it was started with (make_data refuses other settings); a new one: DTYPE
+  local settings=$MIX/part-$1/settings.json
+  if [ -f "$settings" ]; then sed -n 's/^ *"dtype": *"\([a-z0-9]*\)".*/\1/p' "$settings"; else echo "$DTYPE"; fi
+}
 answer_part() {
   local p=$1
   "$PY" scripts/make_data.py --output_dir "$MIX/part-$p" --sources "$MIX/prompts-$p.jsonl" --whole_conversation true \
-    --exclude "$EXCLUDE" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE" --max_new_tokens 256 \
+    --exclude "$EXCLUDE" --backbone smollm2-135m --dtype "$(part_dtype "$p")" --device "$DEVICE" --max_new_tokens 256 \
     --batch_size 32
   "$PY" scripts/merge_data.py "$MIX/part-$p" --output_dir "$KEPT/part-$p" --token_dtype int32
   rm -rf "$UNFINISHED/part-$p"
@@ -85,6 +92,13 @@ done
 if [ "$STAGE" = stash ]; then
   for p in "${TODO[@]}"; do stash_part "$p"; done
   exit 0
+fi
+if [ "$DTYPE" = auto ]; then  # emulated bf16 (AVX2-only CPUs) answered 2.1 tokens/s against fp32's 9.6, one thread
+  DTYPE=$("$PY" -c "import sys, torch
+from tokenmaxx.inference.calibration_store import cpu_has_native_bf16
+gpu = sys.argv[1].startswith('cuda') or (sys.argv[1] == 'auto' and torch.cuda.is_available())
+print('bfloat16' if gpu or cpu_has_native_bf16() else 'float32')" "$DEVICE")
+  echo "answers in $DTYPE (DTYPE=auto on this machine; parts already started keep their own)"
 fi
 for ((i = 0; i < ${#TODO[@]}; i += JOBS)); do
   PIDS=()
