@@ -142,6 +142,9 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
 
 # ---- dynamic trees (sequential heads): the node budget ------------------------------------------------------------
 DYNAMIC_BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
+# a budget's decode loop is timed when its bound (tau / verify latency) reaches this share of the tokens/s of the budget
+# timed first: the margin covers the noise of that first, single timing
+TIMING_MARGIN = 0.9
 
 
 @torch.inference_mode()
@@ -184,8 +187,8 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
 def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None = None, refresh: bool = False):
     """The dynamic-tree node budget with the best expected tokens/s on this machine (cached like ``auto_tree``):
     argmax over budgets n of tau(n) / (verify latency(n) + overhead(n)), where tau(n) comes from drafting along the
-    backbone's own continuations and overhead(n) (drafting, acceptance, cache commit) from a short generation with
-    budget n."""
+    backbone's own continuations and overhead(n) (drafting, acceptance, cache commit) from short generations with
+    budget n (``timed_overheads``: only of the budgets that can still win)."""
     config = config or DynamicTreeConfig()
     machine = machine_fingerprint(model)
     key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth, config.min_mass]})
@@ -200,22 +203,43 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
     measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
     latency = fit_latency(measured)
-    # drafting cost grows with the budget (more levels survive the pruning): measure the overhead of each one, and
-    # keep the curve never decreasing, as the latency's (a larger budget never drafts less; dips are noise)
-    measured_loop = measure_overheads(model, heads, tokenizer,
-                                      {n: dataclasses.replace(config, nodes=n) for n in taus})
+    # drafting cost grows with the budget (more levels survive the pruning): keep the overhead curve never decreasing,
+    # as the latency's (a larger budget never drafts less; dips are noise)
+    measured_loop, untimed = timed_overheads(model, heads, tokenizer, config, taus, latency)
     sizes = sorted(measured_loop)
     loop = dict(zip(sizes, itertools.accumulate((measured_loop[n] for n in sizes), max)))
-    table = [{"nodes": n, "expected_tau": tau, "step_seconds": latency[n] + loop[n],
-              "tokens_per_s": tau / (latency[n] + loop[n])} for n, tau in sorted(taus.items())]
+    table = [{"nodes": n, "expected_tau": taus[n], "step_seconds": latency[n] + loop[n],
+              "tokens_per_s": taus[n] / (latency[n] + loop[n])} for n in sizes]
     best = max(table, key=lambda row: row["tokens_per_s"])
     chosen = dataclasses.replace(config, nodes=best["nodes"])
     write_record(path, {"dynamic_tree": dataclasses.asdict(chosen),
                          "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop,
-                         "measured_overhead": measured_loop, "propose_seconds": propose_s, "table": table})
+                         "measured_overhead": measured_loop, "propose_seconds": propose_s, "table": table,
+                         "untimed": untimed})
+    skipped = f"; {len(untimed)} of {len(taus)} budgets could not win and were not timed" if untimed else ""
     _say(describe_choice(table, chosen.nodes, _plain_row(latency[1]), "dynamic tree")
-         + f" (calibrated in {time.perf_counter() - start:.0f} s, cached in {path})")
+         + f" (calibrated in {time.perf_counter() - start:.0f} s{skipped}, cached in {path})")
     return chosen
+
+
+def timed_overheads(model, heads, tokenizer, config, taus: dict, latency: dict,
+                    margin: float = TIMING_MARGIN) -> tuple[dict, list[dict]]:
+    """The decode loop's overhead of the budgets that can still be chosen, and the rows of those that cannot.
+
+    Timing a budget runs short generations, and on a slow CPU their verify forwards of up to 64 tokens cost most of a
+    calibration. Since an overhead is never negative, tau(n) / latency(n) bounds the tokens/s budget n can reach: the
+    budget with the best bound is timed first (once), and only the budgets whose bound reaches ``margin`` times its
+    tokens/s are then timed (interleaved, as ``measure_overheads`` does). Returns ({budget: overhead seconds} of the
+    timed budgets, [{nodes, expected_tau, bound_tokens_per_s}] of the others)."""
+    bound = {n: tau / latency[n] for n, tau in taus.items()}
+    first = max(bound, key=bound.get)
+    settings = {n: dataclasses.replace(config, nodes=n) for n in taus}
+    first_loop = measure_overheads(model, heads, tokenizer, {first: settings[first]}, repeats=1)[first]
+    reach = taus[first] / (latency[first] + first_loop)
+    timed = [n for n in sorted(taus) if bound[n] >= margin * reach]
+    untimed = [{"nodes": n, "expected_tau": taus[n], "bound_tokens_per_s": bound[n]} for n in sorted(taus)
+               if n not in timed]
+    return measure_overheads(model, heads, tokenizer, {n: settings[n] for n in timed}), untimed
 
 
 # ---- what tree="auto" says ------------------------------------------------------------------------------------------

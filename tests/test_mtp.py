@@ -268,6 +268,33 @@ def test_mtp_sampling_second_token_follows_the_backbone(monkeypatch, broken):
     assert (pvalue < 1e-3) if broken else (pvalue > 1e-3), pvalue
 
 
+def test_auto_budget_times_only_the_budgets_that_can_win(monkeypatch):
+    """tree='auto' times the decode loop (short generations, verify forwards included) only of budgets whose bound
+    tau / verify latency reaches 90% of the tokens/s of the budget with the best bound; the others are left out, and
+    the choice is the one timing every budget would make."""
+    from tokenmaxx.inference import autotune
+
+    taus = {4: 2.0, 8: 2.4, 16: 2.6, 32: 2.7, 64: 2.8}
+    latency = {4: 0.10, 8: 0.11, 16: 0.14, 32: 0.25, 64: 0.60}  # bounds 20, 21.8, 18.6, 10.8, 4.7 tok/s
+    overhead = {4: 0.010, 8: 0.012, 16: 0.015, 32: 0.02, 64: 0.03}
+    calls = []
+
+    def fake_overheads(model, heads, tokenizer, trees, repeats=3):
+        calls.append((sorted(trees), repeats))
+        assert all(tree.nodes == n for n, tree in trees.items())
+        return {n: overhead[n] for n in trees}
+
+    monkeypatch.setattr(autotune, "measure_overheads", fake_overheads)
+    loop, untimed = autotune.timed_overheads(None, None, None, DynamicTreeConfig(), taus, latency)
+    # first the best bound (8 nodes: 2.4 / 0.122 s = 19.7 tok/s), then every bound >= 17.7 tok/s, interleaved
+    assert calls == [([8], 1), ([4, 8, 16], 3)]
+    assert loop == {n: overhead[n] for n in (4, 8, 16)}
+    assert [row["nodes"] for row in untimed] == [32, 64]
+    assert untimed[0] == {"nodes": 32, "expected_tau": 2.7, "bound_tokens_per_s": pytest.approx(10.8)}
+    every = max(taus, key=lambda n: taus[n] / (latency[n] + overhead[n]))
+    assert every == max(loop, key=lambda n: taus[n] / (latency[n] + loop[n])) == 8
+
+
 # ---- bad inputs ----------------------------------------------------------------------------------------------------
 def test_tree_kinds_must_match_head_kinds(model):
     with pytest.raises(ValueError, match="sequential heads"):
@@ -302,11 +329,12 @@ def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypat
     files = list((tmp_path / "calibration").glob("*.json"))
     assert len(files) == 1
     record = json.loads(files[0].read_text())
-    assert record["dynamic_tree"]["nodes"] == chosen.nodes and {r["nodes"] for r in record["table"]} == set(
-        autotune.DYNAMIC_BUDGETS)
-    overhead = [record["overhead"][str(n)] for n in autotune.DYNAMIC_BUDGETS]  # fitted: never decreasing
+    timed = [r["nodes"] for r in record["table"]]
+    assert record["dynamic_tree"]["nodes"] == chosen.nodes and sorted(timed + [
+        r["nodes"] for r in record["untimed"]]) == list(autotune.DYNAMIC_BUDGETS)
+    overhead = [record["overhead"][str(n)] for n in timed]  # fitted: never decreasing
     assert overhead == sorted(overhead) and all(a >= b for a, b in zip(overhead, [
-        record["measured_overhead"][str(n)] for n in autotune.DYNAMIC_BUDGETS]))
+        record["measured_overhead"][str(n)] for n in timed]))
     err = capsys.readouterr().err
     assert "tree='auto': calibrating on prompts" in err and "tree='auto': timing the decode loop" in err
     [line] = [line for line in err.splitlines() if line.startswith("tree='auto': chose")]
