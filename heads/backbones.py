@@ -216,6 +216,33 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return dev
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
+    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    try:
+        return any(check() for check in checks if check is not None)
+    except RuntimeError:
+        return False
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
+    """A dtype or its name -> torch.dtype. "auto": bfloat16 on a GPU or on a CPU with native bf16, float32 on a CPU
+    without (AVX2 only), where emulated bf16 made decoding slower and speculative decoding not pay (the demo prompt on
+    an AVX2-only EPYC: hybrid 1.41x over plain generate in fp32, 0.87x in bf16; docs/benchmarks.md)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type != "cpu" or cpu_has_native_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
 def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch.float32,
                   revision: str | None = None, attn_implementation: str = "sdpa", adapter: str | None = None,
                   adapter_revision: str | None = None, device: str | torch.device | None = "auto"):
@@ -223,7 +250,8 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str
 
     Args:
         name_or_path: a registered alias (see ``BACKBONES``), a local HF folder, or a Hub id.
-        dtype: torch dtype or its name ("float32", "bfloat16", "float16").
+        dtype: torch dtype or its name ("float32", "bfloat16", "float16"), or "auto" (``resolve_dtype``: bfloat16
+            where it is native, on a GPU or a CPU with AVX-512 BF16 / AMX, else float32).
         device: where the backbone runs: "auto" (the first CUDA GPU when there is one, else the CPU), "cpu",
             "cuda", "cuda:N" or a torch.device. Heads, trees and caches follow it at generation.
         adapter: a PEFT adapter (folder or Hub id) merged into the backbone; recorded in ``model.config`` as
@@ -234,11 +262,8 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        if dtype not in {"float32", "bfloat16", "float16", "fp32", "bf16", "fp16"}:
-            raise ValueError(f"unknown dtype {dtype!r}: expected float32, bfloat16 or float16")
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype) or getattr(torch, dtype)
     device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     path = resolve_backbone(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision,
                                                  attn_implementation=attn_implementation)

@@ -54,16 +54,6 @@ def cpu_isa() -> str:
         return "unknown"
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
-    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    try:
-        return any(check() for check in checks if check is not None)
-    except RuntimeError:
-        return False
-
-
 def device_name(device: torch.device) -> str:
     """What runs the backbone: "cpu: " and the CPU model, or the accelerator's type and name ("cuda: NVIDIA H200")."""
     if device.type == "cpu":

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone
+from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, cpu_has_native_bf16, default_heads_path, load_backbone
 from tokenmaxx.heads.attention import shared_kv_kwargs
 
 from .autotune import resolve_auto
-from .calibration_store import cpu_has_native_bf16, cpu_isa, cpu_name
+from .calibration_store import cpu_isa, cpu_name
 from .decoding import accept_greedy
 from .drafting import DEFAULT_DRAFT, check_draft_mode, make_drafter
 from .latency import cached_latency
@@ -29,7 +29,9 @@ from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 
-DEFAULT_DTYPE = "bfloat16"  # the fastest measured (docs/benchmarks.md); float32 where token identity must be exact
+# "auto": bfloat16 where it is native (a GPU, a CPU with AVX-512 BF16 or AMX), the fastest measured there; float32 on a
+# CPU without, where emulated bf16 was slower (docs/benchmarks.md). float32 where token identity must be exact.
+DEFAULT_DTYPE = "auto"
 
 __all__ = ["DEFAULT_DTYPE", "GenerationOutput", "GenerationStats", "SpeculativeGenerator"]
 

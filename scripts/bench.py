@@ -40,7 +40,9 @@ class BenchArgs:
         "help": "heads of the medusa[_hybrid] methods (default: the shipped Medusa heads)"})
     mtp_heads: str | None = field(default=None, metadata={
         "help": "heads of the mtp[_hybrid] methods (default: the shipped MTP heads)"})
-    dtype: str = field(default=DEFAULT_DTYPE, metadata={"help": "float32 | bfloat16 | float16"})
+    dtype: str = field(default=DEFAULT_DTYPE, metadata={
+        "help": "auto (bfloat16 where it is native: a GPU, a CPU with AVX-512 BF16 / AMX; else float32) | float32 | "
+                "bfloat16 | float16"})
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
@@ -142,6 +144,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
+    args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
     methods, notes = build_methods(args, model, tokenizer)
     for name, note in notes.items():

@@ -3,7 +3,7 @@
 # compared with plain model.generate (speed and token identity). generate.py's defaults are the library's: hybrid
 # drafting (heads + prompt lookup, our fastest mode), the shipped default heads and their own tree. One override, on
 # purpose: --dtype float32, where the output is token-identical to plain greedy generate, which --compare checks (in
-# bf16, the library default, batched verification rounds differently, see the README). Both are timed 3 times
+# bf16, the library's default where bf16 is native, batched verification rounds differently, see the README). Both are timed 3 times
 # interleaved, best kept (the machine is shared); any flag given here overrides these (e.g. --dtype bfloat16
 # --draft heads --repeats 1).
 set -euo pipefail

@@ -40,7 +40,9 @@ class GenerateArgs:
     prompt: str = field(default=DEFAULT_PROMPT, metadata={"help": "the user message (or raw text with --raw)"})
     raw: bool = field(default=False, metadata={"help": "feed the prompt as raw text, without the chat template"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens to generate at most"})
-    dtype: str = field(default=DEFAULT_DTYPE, metadata={"help": "float32 | bfloat16 | float16"})
+    dtype: str = field(default=DEFAULT_DTYPE, metadata={
+        "help": "auto (bfloat16 where it is native: a GPU, a CPU with AVX-512 BF16 / AMX; else float32) | float32 | "
+                "bfloat16 | float16"})
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     tree: str | None = field(default=None, metadata={
@@ -176,7 +178,8 @@ def main(argv=None) -> int:
     s = spec.stats
     step_overhead = {k: v / s.steps for k, v in s.phase_seconds.items()} if s.steps else {}
     result = {
-        "backbone": args.backbone, "dtype": args.dtype, "threads": args.threads, "tree": tree_desc,
+        "backbone": args.backbone, "dtype": str(model.dtype).removeprefix("torch."), "threads": args.threads,
+        "tree": tree_desc,
         "prompt_tokens": input_ids.shape[1], "identical": identical,
         "speculative": {"tokens": s.new_tokens, "seconds": best_spec, "tokens_per_s": s.new_tokens / best_spec,
                         "mean_tau": s.mean_tau, "steps": s.steps, "seconds_per_step": step_overhead,

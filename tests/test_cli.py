@@ -31,7 +31,7 @@ def error_lines(stderr: str) -> list[str]:
 
 # ---- defaults ------------------------------------------------------------------------------------------------------
 def test_scripts_share_the_library_defaults():
-    assert (DEFAULT_DRAFT, DEFAULT_DTYPE) == ("hybrid", "bfloat16")
+    assert (DEFAULT_DRAFT, DEFAULT_DTYPE) == ("hybrid", "auto")
     for args in (generate.GenerateArgs(), bench.BenchArgs(prompts=__file__)):
         assert (args.backbone, args.draft, args.dtype, args.heads) == (DEFAULT_BACKBONE, DEFAULT_DRAFT, DEFAULT_DTYPE,
                                                                      None)

@@ -210,24 +210,44 @@ def test_calibration_keys_tell_cpu_instruction_sets_apart(monkeypatch):
 
 def test_bf16_on_a_cpu_without_native_bf16_is_warned_about_when_loading(monkeypatch, tmp_path):
     """On an AVX2-only CPU bf16 verifies cost nearly a decode step per token (the hybrid gave 0.87x there, 1.41x in
-    fp32): from_pretrained says so and names the fix; with native bf16, or in fp32, it says nothing."""
+    fp32): from_pretrained says so when bf16 is asked for and names the fix; with native bf16, or in fp32, it says
+    nothing. Its default dtype ("auto") is float32 on such a CPU and bfloat16 where bf16 is native."""
     from tiny_tokenizer import tiny_tokenizer
+
+    from tokenmaxx.heads import backbones
 
     model = tiny_model("llama")
     model.save_pretrained(tmp_path / "backbone")
     tiny_tokenizer().save_pretrained(tmp_path / "backbone")
     random_mtp(model).save_pretrained(tmp_path / "heads")
-    load = lambda dtype: SpeculativeGenerator.from_pretrained(str(tmp_path / "backbone"),  # noqa: E731
-                                                              heads=str(tmp_path / "heads"), dtype=dtype, device="cpu")
-    assert calibration_store.cpu_has_native_bf16() in (True, False)
-    monkeypatch.setattr(generator, "cpu_has_native_bf16", lambda: False)
+
+    def load(**dtype):
+        gen = SpeculativeGenerator.from_pretrained(str(tmp_path / "backbone"), heads=str(tmp_path / "heads"),
+                                                   device="cpu", **dtype)
+        return gen.model.get_output_embeddings().weight.dtype
+
+    assert backbones.cpu_has_native_bf16() in (True, False)
+    for module in (generator, backbones):
+        monkeypatch.setattr(module, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(EmulatedBf16Warning, match=r"no native bf16 support.*dtype='float32' is faster here"):
-        load("bfloat16")
+        load(dtype="bfloat16")
     with warnings.catch_warnings():
         warnings.simplefilter("error", EmulatedBf16Warning)
-        load("float32")
-        monkeypatch.setattr(generator, "cpu_has_native_bf16", lambda: True)
-        load("bfloat16")
+        assert load(dtype="float32") == torch.float32
+        assert load() == torch.float32  # the default picks fp32 here
+        for module in (generator, backbones):
+            monkeypatch.setattr(module, "cpu_has_native_bf16", lambda: True)
+        assert load(dtype="bfloat16") == torch.bfloat16
+        assert load() == torch.bfloat16  # and bf16 where it is native
+
+
+def test_dtype_auto_is_bf16_off_the_cpu_and_bad_dtypes_are_refused():
+    from tokenmaxx.heads import resolve_dtype
+
+    assert resolve_dtype("auto", META) == torch.bfloat16  # any accelerator
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16 and resolve_dtype(torch.float16, META) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'float8': expected auto, float32, bfloat16 or float16"):
+        resolve_dtype("float8", torch.device("cpu"))
 
 
 def test_kv_head_sharing_stays_off_off_the_cpu():
