@@ -15,15 +15,15 @@
 #                summarize, translate: make_data keeps each prompt's source as the record's category)
 #
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
-# train; default train; or stash), DEVICE (auto), DTYPE (the answers' dtype, default auto: bfloat16 on a GPU or a CPU
-# with native bf16, float32 on a CPU without, where emulated bf16 answered ~4.6x slower; a part keeps the dtype it was
-# started with), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
+# train; default train; or stash), DEVICE (auto), DTYPE (the answers' dtype; default auto: bfloat16 on a GPU or a CPU
+# with native bf16, float32 on a CPU without; a part keeps the dtype it was started with), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
 # RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
 # of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384), KIND (eagle3, or mtp: the same
 # data and recipe for the MTP kind, which learned faster on this backbone and made the shipped default heads;
 # docs/benchmarks.md, session 16). Costs on the 2-core CPU: the mix builds in ~1.5 min; answers ~105 tokens/s in one
-# process (the mix's prompts are long: multi-turn context, passages), ~55 min a part on the Xeon (~7x that on an
-# AVX2-only EPYC); on a GPU (DEVICE=cuda) minutes in all. docs/benchmarks.md has the measured figures.
+# process (the mix's prompts are long: multi-turn context, passages), ~55 min a part on the Xeon; on an AVX2-only EPYC
+# (no native bf16) ~27 tokens/s per one-thread process in fp32 (bf16 there: 11), ~3.5 h a part; on a GPU (DEVICE=cuda)
+# minutes in all. docs/benchmarks.md has the measured figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -92,13 +92,6 @@ done
 if [ "$STAGE" = stash ]; then
   for p in "${TODO[@]}"; do stash_part "$p"; done
   exit 0
-fi
-if [ "$DTYPE" = auto ]; then  # emulated bf16 (AVX2-only CPUs) answered 2.1 tokens/s against fp32's 9.6, one thread
-  DTYPE=$("$PY" -c "import sys, torch
-from tokenmaxx.inference.calibration_store import cpu_has_native_bf16
-gpu = sys.argv[1].startswith('cuda') or (sys.argv[1] == 'auto' and torch.cuda.is_available())
-print('bfloat16' if gpu or cpu_has_native_bf16() else 'float32')" "$DEVICE")
-  echo "answers in $DTYPE (DTYPE=auto on this machine; parts already started keep their own)"
 fi
 for ((i = 0; i < ${#TODO[@]}; i += JOBS)); do
   PIDS=()
