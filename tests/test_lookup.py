@@ -87,7 +87,10 @@ def _repeating_prompts(vocab, seed, n=5):
 @pytest.mark.parametrize("draft", ["hybrid", "lookup"])
 def test_lookup_drafting_matches_greedy_with_random_heads(model, draft):
     heads = random_heads(model) if draft == "hybrid" else None
-    gen = SpeculativeGenerator(model, heads, draft=draft, lookup=LookupConfig(min_ngram=1, start_len=4))
+    # adaptive_budget=False: sized from a latency table measured on a loaded machine, the hybrid trimmed every lookup
+    # branch of the qwen2 model (seen beside a data run); the assertion is about the branches, not the sizing
+    gen = SpeculativeGenerator(model, heads, draft=draft, lookup=LookupConfig(min_ngram=1, start_len=4),
+                               adaptive_budget=False)
     fired = 0
     for input_ids, max_new in _repeating_prompts(model.config.vocab_size, seed=4):
         out = gen.generate(input_ids, max_new_tokens=max_new)
