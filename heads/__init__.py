@@ -15,7 +15,8 @@ from .pretrained import default_heads_path, resolve_heads
 from .tree import Tree, TreeBuffers, chain, default_tree, parse_tree, sparse_tree
 
 __all__ = ["BACKBONES", "DEFAULT_BACKBONE", "BackboneSpec", "backbone_identity", "cache_dir", "cpu_has_native_bf16",
-           "import_gguf", "load_backbone", "register_backbone", "resolve_device", "resolve_dtype", "HeadsConfig", "Draft", "Outcome", "Prefill",
+           "import_gguf", "load_backbone", "register_backbone", "resolve_device", "resolve_dtype", "HeadsConfig",
+           "Draft", "Outcome", "Prefill",
            "DynamicTreeConfig", "BackboneMismatchError", "DraftHeads", "DEFAULT_HEAD_KIND", "HEAD_KINDS",
            "head_kind", "register_head_kind", "MedusaHeads", "MTPHeads", "Eagle3Heads", "export_eagle3",
            "load_eagle3", "default_heads_path", "resolve_heads", "Tree", "TreeBuffers", "chain", "default_tree",

@@ -245,7 +245,8 @@ def test_dtype_auto_is_bf16_off_the_cpu_and_bad_dtypes_are_refused():
     from tokenmaxx.heads import resolve_dtype
 
     assert resolve_dtype("auto", META) == torch.bfloat16  # any accelerator
-    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16 and resolve_dtype(torch.float16, META) == torch.float16
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype(torch.float16, META) == torch.float16
     with pytest.raises(ValueError, match="unknown dtype 'float8': expected auto, float32, bfloat16 or float16"):
         resolve_dtype("float8", torch.device("cpu"))
 

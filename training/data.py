@@ -72,9 +72,9 @@ class DataConfig:
     backbone: str = field(default=DEFAULT_BACKBONE, metadata={
         "help": "backbone that answers: registered alias, local Hugging Face folder or Hub id"})
     dtype: str = field(default="auto", metadata={
-        "help": "backbone dtype: auto (bfloat16 where it is native: a GPU, a CPU with AVX-512 BF16 / AMX; else float32, "
-                "which answered ~2.5x faster than emulated bf16 on an AVX2-only CPU), float32, bfloat16 or float16; the "
-                "data records the dtype that ran"})
+        "help": "backbone dtype: auto (bfloat16 where it is native: a GPU, a CPU with AVX-512 BF16 / AMX; else "
+                "float32, which answered ~2.5x faster than emulated bf16 on an AVX2-only CPU), float32, bfloat16 or "
+                "float16; the data records the dtype that ran"})
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     max_new_tokens: int = field(default=256, metadata={"help": "longest answer, in tokens"})
     max_prompt_tokens: int = field(default=512, metadata={
