@@ -7,7 +7,8 @@
 #                finished parts are never redone); a finished part's compact copy goes to distilled/smollm2-mix/part-NNN
 #                (committed; parts found there are not answered again)
 #      stash     (STAGE=stash, run beside or after a stopped answers stage) copies the finished shards of every
-#                unfinished part to distilled/smollm2-mix/unfinished/part-NNN (committed): the answers stage of a later
+#                unfinished part (and the answered batches of its unfinished shard) to
+#                distilled/smollm2-mix/unfinished/part-NNN (committed): the answers stage of a later
 #                session, on a fresh machine, starts from them instead of from nothing
 #   3. merge     merge_data of the finished parts -> data/mix/merged (remade when the part count changed)
 #   4. train     train_heads --kind eagle3 with a feature cache (three layers' states), --resume when a checkpoint
@@ -25,6 +26,7 @@
 # (no native bf16) ~27 tokens/s per one-thread process in fp32 (bf16 there: 11), ~3.5 h a part; on a GPU (DEVICE=cuda)
 # minutes in all. docs/benchmarks.md has the measured figures.
 set -euo pipefail
+shopt -s nullglob  # a pattern that matches nothing is no word (the stash's shard and batch lists)
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PARTS=${PARTS:-6}
@@ -53,23 +55,26 @@ fi
 #    committed to git: a later session or a user retrains from it without answering those prompts again. JOBS parts
 #    are answered at once, each process on its share of the cores (on 2 cores, 2 one-thread processes answered
 #    1.3-1.8x the tokens/s of one two-thread process: batched generation's small matmuls scale poorly across
-#    threads). A part stopped midway resumes at its last finished shard of 256 prompts.
+#    threads). A part stopped midway resumes at its first unanswered batch of 32 prompts.
 UNFINISHED=$KEPT/unfinished
-stash_part() {  # finished shards (each written under a temp name, then renamed) of a part still being answered
+stash_part() {  # finished shards and answered batches (each written under a temp name, then renamed; make_data
+  # drops temp names it finds) of a part still being answered
   local p=$1 src=$MIX/part-$1 dst=$UNFINISHED/part-$1
   [ -f "$src/settings.json" ] && [ -d "$src/shards" ] && [ ! -f "$src/state.json" ] || return 0
-  local shards=("$src"/shards/[0-9][0-9][0-9][0-9][0-9])
-  [ -d "${shards[0]}" ] || return 0
+  local saved=("$src"/shards/[0-9][0-9][0-9][0-9][0-9] "$src"/shards/partial-[0-9][0-9][0-9][0-9][0-9])
+  local shards=("$src"/shards/[0-9][0-9][0-9][0-9][0-9]) batches=("$src"/shards/partial-*/[0-9][0-9][0-9][0-9][0-9])
+  [ ${#saved[@]} -gt 0 ] || return 0
   rm -rf "$dst.tmp" && mkdir -p "$dst.tmp/shards"
-  cp "$src/settings.json" "$dst.tmp/" && cp -r "${shards[@]}" "$dst.tmp/shards/"
+  cp "$src/settings.json" "$dst.tmp/" && cp -r "${saved[@]}" "$dst.tmp/shards/"
   rm -rf "$dst" && mv "$dst.tmp" "$dst"
-  echo "stashed part $p: ${#shards[@]} finished shards -> $dst"
+  echo "stashed part $p: ${#shards[@]} finished shards and ${#batches[@]} answered batches -> $dst"
 }
 restore_part() {  # a stash from an earlier session, on a machine that has no working copy of the part
   local p=$1 src=$UNFINISHED/part-$1 dst=$MIX/part-$1
   if [ -f "$src/settings.json" ] && [ ! -e "$dst" ]; then
     mkdir -p "$dst" && cp -r "$src/settings.json" "$src/shards" "$dst/"
-    echo "part $p resumes from $(ls "$src/shards" | wc -l) stashed shards"
+    local shards=("$src"/shards/[0-9][0-9][0-9][0-9][0-9]) batches=("$src"/shards/partial-*/[0-9][0-9][0-9][0-9][0-9])
+    echo "part $p resumes from ${#shards[@]} stashed shards and ${#batches[@]} answered batches"
   fi
 }
 part_dtype() {  # a part resumes in the dtype it was started with (make_data refuses other settings); a new one: DTYPE

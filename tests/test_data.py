@@ -268,14 +268,14 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, backbone):
     command = [sys.executable, str(REPO / "scripts" / "make_data.py"), "--output_dir", str(killed), *args]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not any(p.is_dir() and not p.name.startswith(".") for p in (killed / "shards").glob("*")):
+    while not any(p.is_dir() and p.name.isdigit() for p in (killed / "shards").glob("*")):
         assert proc.poll() is None, f"make_data exited early: {proc.stderr.read().decode()[-2000:]}"
         assert time.monotonic() < deadline, "no shard written within 120 s"
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
-    shards = sorted(p.name for p in (killed / "shards").iterdir() if not p.name.startswith("."))
+    shards = sorted(p.name for p in (killed / "shards").iterdir() if p.name.isdigit())
     assert 1 <= len(shards) < 12 and not (killed / "state.json").exists(), "killed too late to test resuming"
     (killed / "shards" / ".tmp-00011").mkdir(exist_ok=True)  # as if killed while writing a shard
     script = load_script()
@@ -284,6 +284,57 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, backbone):
     reference, _ = script.main(["--output_dir", str(tmp_path / "uninterrupted"), *args])
     assert len(resumed) == 24 and resumed[:] == reference[:]
     assert not (killed / "shards").exists() and not list(killed.glob(".tmp-*"))
+
+
+def test_a_run_stopped_inside_a_chunk_answers_only_its_unsaved_batches(tmp_path, backbone, monkeypatch):
+    """Each answered batch is saved with the RNG state after it: a run killed before saving the 4th of a chunk's 6
+    batches answers only batches 4-6 when resumed, and ends with the (sampled) records of an uninterrupted run."""
+    import tokenmaxx.training.data as data_module
+
+    model, tokenizer = backbone
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i} " + "la " * (i % 5)} for i in range(12)])
+    settings = dict(temperature=0.9, top_p=0.95, seed=3, batch_size=2, chunk_size=12)
+    killed = config(tmp_path, [source], output_dir=str(tmp_path / "killed"), **settings)
+    real, saved = data_module.write_batch, []
+
+    def save_three_then_die(path, *args):
+        if len(saved) == 3:
+            raise KeyboardInterrupt
+        saved.append(path.name)
+        real(path, *args)
+
+    monkeypatch.setattr(data_module, "write_batch", save_three_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        make_data(killed, model, tokenizer)
+    monkeypatch.undo()
+    partial = tmp_path / "killed" / "shards" / "partial-00000"
+    assert sorted(p.name for p in partial.iterdir()) == ["00000", "00001", "00002"]
+    (partial / ".tmp-00003").mkdir()  # as if killed while saving the 4th batch
+    stats = DataStats()
+    resumed = make_data(killed, model, tokenizer, stats=stats)
+    whole = DataStats()
+    reference = make_data(config(tmp_path, [source], output_dir=str(tmp_path / "whole"), **settings), model,
+                          tokenizer, stats=whole)
+    assert resumed[:] == reference[:]
+    assert 0 < stats.generated_tokens < whole.generated_tokens == whole.answer_tokens == stats.answer_tokens
+    assert not (tmp_path / "killed" / "shards").exists()
+
+
+def test_a_saved_batch_for_other_rows_is_one_clear_error(tmp_path, backbone, monkeypatch):
+    import tokenmaxx.training.data as data_module
+
+    model, tokenizer = backbone
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i} " + "la " * (i % 5)} for i in range(6)])
+    cfg = config(tmp_path, [source], batch_size=2, chunk_size=6)
+    monkeypatch.setattr(data_module, "write_shard", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        make_data(cfg, model, tokenizer)
+    monkeypatch.undo()
+    batch = Path(cfg.output_dir) / "shards" / "partial-00000" / "00001"
+    saved = json.loads((batch / "answers.json").read_text())
+    (batch / "answers.json").write_text(json.dumps({**saved, "rows": saved["rows"][::-1]}))
+    with pytest.raises(ValueError, match=r"00001 holds the answers of rows .* expected rows"):
+        make_data(cfg, model, tokenizer)
 
 
 # ---- config and script ---------------------------------------------------------------------------------------------

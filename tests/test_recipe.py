@@ -1,6 +1,6 @@
-"""scripts/recipe_eagle3.sh across sessions: the finished shards of a part still being answered are stashed in the
-kept folder (committed to git), and a later session on a fresh machine resumes the part from them; a part that
-finishes leaves no stash behind. Python is stood in for by a stub that logs what it was asked to run."""
+"""scripts/recipe_eagle3.sh across sessions: the finished shards and answered batches of a part still being answered
+are stashed in the kept folder (committed to git), and a later session on a fresh machine resumes the part from them;
+a part that finishes leaves no stash behind. Python is stood in for by a stub that logs what it was asked to run."""
 
 import os
 import subprocess
@@ -51,7 +51,7 @@ def _part(folder: Path, shards: list[str], finished: bool = False) -> None:
     (folder / "shards").mkdir(parents=True)
     (folder / "settings.json").write_text('{"num_prompts": 2048}')
     for name in shards:
-        (folder / "shards" / name).mkdir()
+        (folder / "shards" / name).mkdir(parents=True)
         (folder / "shards" / name / "data-00000-of-00001.arrow").write_text(name)
     if finished:
         (folder / "state.json").write_text("{}")
@@ -59,21 +59,24 @@ def _part(folder: Path, shards: list[str], finished: bool = False) -> None:
 
 def test_unfinished_parts_are_stashed_and_resumed_on_a_fresh_machine(recipe):
     mix, kept, run = recipe
-    _part(mix / "part-000", ["00000", "00001", ".tmp-00002"])  # shard 2 is still being written
+    # shards 0-1 finished; shard 2 being answered: batches 0-1 saved, batch 2 being saved
+    _part(mix / "part-000", ["00000", "00001", "partial-00002/00000", "partial-00002/00001", "partial-00002/.tmp-00002"])
     out = run("stash")
     stash = kept / "unfinished" / "part-000"
-    assert "stashed part 000: 2 finished shards" in out.stdout
-    assert sorted(p.name for p in (stash / "shards").iterdir()) == ["00000", "00001"]
+    assert "stashed part 000: 2 finished shards and 2 answered batches" in out.stdout
+    assert sorted(p.name for p in (stash / "shards").iterdir()) == ["00000", "00001", "partial-00002"]
     assert (stash / "settings.json").read_text() == '{"num_prompts": 2048}'
     assert (stash / "shards" / "00001" / "data-00000-of-00001.arrow").read_text() == "00001"
+    batch = stash / "shards" / "partial-00002" / "00001"
+    assert (batch / "data-00000-of-00001.arrow").read_text() == "partial-00002/00001"
 
     # a later session: a fresh machine has the committed folder but no working copy of the part
     for f in sorted((mix / "part-000").rglob("*"), reverse=True):
         f.rmdir() if f.is_dir() else f.unlink()
     (mix / "part-000").rmdir()
     out = run("answers")
-    assert "part 000 resumes from 2 stashed shards" in out.stdout
-    assert (mix / "part-000.started_from").read_text().split() == ["00000", "00001"]
+    assert "part 000 resumes from 2 stashed shards and 2 answered batches" in out.stdout
+    assert (mix / "part-000.started_from").read_text().split() == ["00000", "00001", "partial-00002"]
     assert (kept / "part-000" / "provenance.json").is_file()
     assert not (kept / "unfinished").exists()  # the finished part's stash is gone
 
@@ -87,6 +90,10 @@ def test_stash_skips_finished_and_kept_parts_and_never_overwrites_a_working_copy
     _part(mix / "part-002", [])  # started, no shard finished yet
     out = run("stash", parts=3)
     assert "stashed" not in out.stdout and not (kept / "unfinished").exists()
+    _part(mix / "part-003", ["partial-00000/00000"])  # only a batch of its first shard answered: stashed too
+    out = run("stash", parts=4)
+    assert "stashed part 003: 0 finished shards and 1 answered batches" in out.stdout
+    (kept / "unfinished" / "part-003").rename(mix.parent / "stash-003")  # (out of the way of the answers stage)
 
     # a working copy that is further along than an old stash is not replaced by it
     _part(kept / "unfinished" / "part-002", ["00000"])

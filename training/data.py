@@ -6,13 +6,15 @@ Pipeline (``make_data``; the heads learn to guess what the frozen backbone itsel
   2. select_prompts: render with the chat template (add_generation_prompt=True); skip prompts whose length +
      max_new_tokens exceed the backbone's context; keep the first ``max_prompts``.
   3. generate: fixed-size chunks in prompt order, each sorted by length, answered by batched left-padded
-     ``model.generate`` seeded from (seed, chunk index), saved as its own shard (temp name, then rename): a killed run
-     resumes at the missing shards and ends with exactly the records of an uninterrupted run.
+     ``model.generate`` seeded from (seed, chunk index), saved as its own shard (temp name, then rename); each
+     answered batch of the chunk is saved as it finishes (with the RNG state after it): a killed run resumes at the
+     first unanswered batch and ends with exactly the records of an uninterrupted run.
   4. assemble: concatenate the shards, save under a temp name, move into place (``state.json`` last).
 
 Output folder (read it with ``datasets.load_from_disk(output_dir)``); not safe for two writers at once:
   settings.json      what determines the records; a re-run with other settings is refused (new folder or --overwrite)
   shards/NNNNN/      one finished chunk each, removed once the final dataset is complete
+  shards/partial-NNNNN/BBBBB/  the answered batches of the unfinished chunk NNNNN (answers.json, rng.safetensors)
   provenance.json    backbone id + revision, dtype, sampling, sources, counts (also the dataset's info.description)
   data-*.arrow, dataset_info.json, state.json: the Dataset. Columns: prompt (str, the user text), prompt_ids
                      (list[int], the rendered chat prompt), answer_ids (list[int], generated, up to and including EOS),
@@ -43,7 +45,8 @@ from transformers import GenerationConfig
 from tokenmaxx.heads import DEFAULT_BACKBONE, backbone_identity, load_backbone
 from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
 
-from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, prepare_output, remove, write_shard
+from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, partial_dir, prepare_output, read_batch, remove, \
+    write_batch, write_shard
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +86,9 @@ class DataConfig:
     min_prompt_tokens: int = field(default=0, metadata={
         "help": "skip prompts shorter than this many tokens: to add long-document prompts (summaries, questions on "
                 "a text) to a set made earlier with max_prompt_tokens below this, without answering any prompt twice"})
-    batch_size: int = field(default=32, metadata={"help": "prompts per model.generate call"})
-    chunk_size: int = field(default=256, metadata={
-        "help": "prompts per shard: the unit of resumption (a killed run redoes at most one chunk)"})
+    batch_size: int = field(default=32, metadata={
+        "help": "prompts per model.generate call, each batch saved as it is answered: a killed run redoes at most one"})
+    chunk_size: int = field(default=256, metadata={"help": "prompts per shard (one saved dataset each)"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 means greedy"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (when temperature > 0)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (when temperature > 0); 0: off"})
@@ -344,15 +347,28 @@ def generation_config(config: DataConfig, model, tokenizer) -> GenerationConfig:
 
 
 def generate_answers(model, prompt_ids: list[list[int]], gen: GenerationConfig, batch_size: int, seed: int,
-                     progress=None) -> list[list[int]]:
+                     progress=None, checkpoint: Path | None = None) -> list[list[int]]:
     """Answers (generated ids up to and including the first EOS, no padding) in the order of ``prompt_ids``; prompts
-    are sorted by length and batched with left padding, after seeding torch's RNG with ``seed``."""
+    are sorted by length and batched with left padding, after seeding torch's RNG with ``seed``.
+
+    ``checkpoint``: a folder where each answered batch is saved (with the RNG state after it); a call after a kill
+    reads the batches saved there instead of answering them again, and returns what an uninterrupted call returns.
+    """
     torch.manual_seed(seed)
     eos, device = set(gen.eos_token_id), model.device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     answers: list[list[int]] = [[] for _ in prompt_ids]
-    for start in range(0, len(order), batch_size):
+    resuming = checkpoint is not None
+    for b, start in enumerate(range(0, len(order), batch_size)):
         rows = order[start:start + batch_size]
+        saved = checkpoint / f"{b:05d}" if checkpoint is not None else None
+        resuming = resuming and saved.is_dir()  # only the unbroken run of saved batches from the first
+        if resuming:
+            for i, answer in zip(rows, read_batch(saved, rows, device)):
+                answers[i] = answer
+            if progress is not None:
+                progress(len(rows), 0, 0.0)
+            continue
         seqs = [torch.tensor(prompt_ids[i]) for i in rows]
         input_ids = pad_sequence(seqs, True, gen.pad_token_id, padding_side="left")  # [B, T]
         attention_mask = pad_sequence([torch.ones_like(t) for t in seqs], True, 0, padding_side="left")  # [B, T]
@@ -364,6 +380,8 @@ def generate_answers(model, prompt_ids: list[list[int]], gen: GenerationConfig, 
             stop = next((t for t, token in enumerate(row) if token in eos), len(row) - 1)
             answers[i] = row[:stop + 1]  # after EOS only padding follows
             new_tokens += len(answers[i])
+        if saved is not None:
+            write_batch(saved, rows, [answers[i] for i in rows], device)
         if progress is not None:
             progress(len(rows), new_tokens, time.perf_counter() - started)
     return answers
@@ -438,6 +456,8 @@ def _generate_shards(out: Path, prompts: list[tuple[Prompt, list[int]]], config:
             if finished:
                 continue
             seed = int(np.random.SeedSequence([config.seed, c]).generate_state(1)[0])  # resumed run = uninterrupted
-            answers = generate_answers(model, [ids for _, ids in chunk], gen, config.batch_size, seed, progress)
+            answers = generate_answers(model, [ids for _, ids in chunk], gen, config.batch_size, seed, progress,
+                                       checkpoint=partial_dir(out, c))
             write_shard(out / SHARDS_DIR / f"{c:05d}", {
                 "prompt": [p.text for p, _ in chunk], "prompt_ids": [ids for _, ids in chunk], "answer_ids": answers})
+            remove(partial_dir(out, c))

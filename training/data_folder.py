@@ -12,6 +12,8 @@ from pathlib import Path
 
 import datasets
 import pyarrow.compute as pc
+import torch
+from safetensors.torch import load_file, save_file
 
 def features(token_dtype: str = "int64") -> datasets.Features:
     """The columns of a self-distilled dataset; token ids as int64 (what make_data writes) or int32 (half the disk,
@@ -27,6 +29,7 @@ FEATURES = features()
 CATEGORY = "category"  # optional column (make_data writes it): what the records are counted and evaluated under
 TMP_PREFIX = ".tmp-"  # anything named so in the output folder is unfinished and removed on the next run
 SETTINGS_NAME, PROVENANCE_NAME, SHARDS_DIR = "settings.json", "provenance.json", "shards"
+PARTIAL_PREFIX = "partial-"  # shards/partial-NNNNN/BBBBB: the answered batches of chunk NNNNN while it is unfinished
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -61,7 +64,8 @@ def prepare_output(out: Path, settings: dict, overwrite: bool) -> None:
             raise ValueError(f"{out} holds data made with other settings ({'; '.join(changes)}); resuming would mix "
                              "them. Use a new output_dir, or --overwrite to delete it and start again")
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(TMP_PREFIX + "*"), *(out / SHARDS_DIR).glob(TMP_PREFIX + "*")]:
+    for stale in [*out.glob(TMP_PREFIX + "*"), *(out / SHARDS_DIR).glob(TMP_PREFIX + "*"),
+                  *(out / SHARDS_DIR).glob(PARTIAL_PREFIX + "*/" + TMP_PREFIX + "*")]:
         remove(stale)
     if not settings_file.is_file():
         write_json(settings_file, settings)
@@ -100,6 +104,41 @@ def write_shard(path: Path, rows: dict[str, list]) -> None:
     with quiet_datasets():
         datasets.Dataset.from_dict(rows, features=FEATURES).save_to_disk(str(tmp))
     os.replace(tmp, path)
+
+
+def partial_dir(out: Path, chunk: int) -> Path:
+    return out / SHARDS_DIR / f"{PARTIAL_PREFIX}{chunk:05d}"
+
+
+def write_batch(path: Path, rows: list[int], answers: list[list[int]], device: torch.device) -> None:
+    """One answered batch of an unfinished chunk (temp name, then rename): its rows (indices in the chunk), their
+    answers (JSON) and the RNG state generation left (safetensors), so a resumed run samples what an uninterrupted
+    run would have."""
+    tmp = path.with_name(TMP_PREFIX + path.name)
+    if tmp.exists():
+        remove(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / "answers.json").write_text(json.dumps({"rows": rows, "answers": answers}) + "\n")
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    save_file(rng, str(tmp / "rng.safetensors"))
+    if path.exists():  # a batch after a missing one, answered again
+        remove(path)
+    os.replace(tmp, path)
+
+
+def read_batch(path: Path, rows: list[int], device: torch.device) -> list[list[int]]:
+    """The answers of a batch saved by ``write_batch``, after restoring the RNG state it saved."""
+    saved = json.loads((path / "answers.json").read_text())
+    if saved["rows"] != rows:
+        raise ValueError(f"{path} holds the answers of rows {saved['rows']}, expected rows {rows}: the folder was "
+                         "changed by hand; delete that partial-* folder to answer its chunk again")
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    return saved["answers"]
 
 
 def assemble(out: Path, num_shards: int, provenance: dict, categories: list[str] | None = None) -> datasets.Dataset:
