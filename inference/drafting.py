@@ -10,7 +10,8 @@ A drafter is made fresh for each generation (it holds that generation's state) a
 
 Drafting modes (``DRAFT_MODES``, a registry of builders):
 - "heads":  the heads' own drafter; each head kind builds it (``DraftHeads.drafter``): static trees for Medusa
-  heads (``heads/medusa.py``), dynamic trees grown from the draft's log-probabilities for MTP heads (``heads/mtp.py``).
+  heads (``heads/medusa.py``), dynamic trees grown from the draft's log-probabilities for MTP heads (``heads/mtp.py``);
+  with a latency table, cut per round to the nodes worth their verify time (``hybrid.HybridDrafter``, lookup off).
 - "lookup": prompt lookup alone (``lookup.LookupDrafter``): n-gram continuations from the prompt and the output.
 - "hybrid": both, sharing one node budget sized per round (``hybrid.HybridDrafter``): measured fastest, the default.
 
@@ -50,7 +51,9 @@ class Drafter(Protocol):
 
 
 def _heads(model, heads, tree, lookup, draft_vocab, latency) -> Drafter:
-    return heads.drafter(model, tree=tree, draft_vocab=draft_vocab)
+    own = heads.drafter(model, tree=tree, draft_vocab=draft_vocab)
+    # on a measured latency the tree is cut per round to the nodes that pay for their verify time (share_budget)
+    return own if latency is None else HybridDrafter(own, nodes=own.nodes, latency=latency, lookup=False)
 
 
 def _lookup(model, heads, tree, lookup, draft_vocab, latency) -> Drafter:
@@ -78,6 +81,6 @@ def make_drafter(mode: str, model, heads=None, tree=None, lookup: LookupConfig |
                  draft_vocab: bool = True, latency: VerifyLatency | None = None) -> Drafter:
     """A fresh drafter of ``mode`` for one generation on ``model``. ``tree``: the heads' tree settings (a spec of
     their kind, None: their own); ``lookup``: prompt-lookup settings; ``latency``: this machine's verify latency per
-    node count (hybrid: the budget is sized per round from it; None keeps the whole budget)."""
+    node count (heads and hybrid: the budget is sized per round from it; None keeps the whole budget)."""
     check_draft_mode(mode, heads)
     return DRAFT_MODES[mode](model, heads, tree, lookup, draft_vocab, latency)

@@ -22,7 +22,7 @@ from tokenmaxx.heads.attention import shared_kv_kwargs
 from .autotune import resolve_auto
 from .calibration_store import cpu_isa, cpu_name
 from .decoding import accept_greedy
-from .drafting import DEFAULT_DRAFT, check_draft_mode, make_drafter
+from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, check_draft_mode, make_drafter
 from .latency import cached_latency
 from .lookup import LookupConfig
 from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
@@ -67,8 +67,8 @@ class SpeculativeGenerator:
     heads' tree settings as their kind reads them (Medusa: a Tree, a list of paths, "default", "chain:K"; MTP:
     "dynamic", "dynamic:N", "dynamic:nodes=N,topk=K,...") or None for the heads' own; "auto" (chosen for this
     machine) goes through ``SpeculativeGenerator.create``. ``lookup``: prompt-lookup settings. ``draft_vocab``: heads
-    with a draft vocabulary guess over it. ``adaptive_budget``: hybrid trees are sized per round from this machine's
-    verify latency (measured once, cached).
+    with a draft vocabulary guess over it. ``adaptive_budget``: the heads' and hybrid trees are sized per round from
+    this machine's verify latency (measured once, cached): nodes that would not pay for their verify time are cut.
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree=None, strict_identity: bool = True,
@@ -87,7 +87,7 @@ class SpeculativeGenerator:
         # the heads' tree settings as their kind parses them (validated here, once); None when only lookup drafts
         self.tree_settings = heads.tree_settings(heads.config, tree) if draft != "lookup" else None
         self.attention = shared_kv_kwargs(model)  # tree verifies let SDPA share the KV heads where that applies
-        self.latency = cached_latency(model) if draft == "hybrid" and adaptive_budget else None
+        self.latency = cached_latency(model) if draft in NEEDS_HEADS and adaptive_budget else None
 
     @classmethod
     def create(cls, model, heads: DraftHeads | None, tokenizer=None, tree=None, **kwargs) -> "SpeculativeGenerator":

@@ -217,8 +217,11 @@ class HybridDrafter:
     """
 
     def __init__(self, heads_drafter, config: LookupConfig | None = None, nodes: int = 1,
-                 latency: VerifyLatency | None = None):
+                 latency: VerifyLatency | None = None, lookup: bool = True):
         self.heads = heads_drafter
+        # False: the heads' tree alone, sized per round by the same rule (heads drafting on a measured latency); no
+        # lookup branches, and the heads never sit a round out
+        self.lookup = lookup
         self.feature_layers = heads_drafter.feature_layers  # the states are the heads drafter's
         self.config = config or LookupConfig()
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
@@ -237,20 +240,21 @@ class HybridDrafter:
         self._round: tuple[list, SharedTree] | None = None  # this round's branch estimates and shared tree
 
     def describe(self) -> str:
-        return f"{self.heads.describe()} + prompt lookup"
+        return f"{self.heads.describe()} + prompt lookup" if self.lookup else f"{self.heads.describe()}, sized per round"
 
     def start(self, prefill: Prefill) -> None:
         self._reset()
-        self.index.extend(prefill.input_ids.tolist() + [prefill.root])
+        if self.lookup:
+            self.index.extend(prefill.input_ids.tolist() + [prefill.root])
         self.prefix_len = prefill.input_ids.shape[0]
         self.heads.start(prefill)
 
     def propose(self, root: int, room: int) -> Draft:
-        heads_ran = self.gate.propose()
+        heads_ran = self.gate.propose() if self.lookup else True
         own = self.heads.propose(root, room if heads_ran else 0)
         # the branch is offered whole and the shared budget decides how much of it is kept
         matched, branches = self.index.continuations(min(self.config.max_len, room), self.min_ngram,
-                                                     self.config.branches)
+                                                     self.config.branches) if self.lookup else (0, [])
         rels = [self.reliability.setdefault((matched, rank), LookupReliability()) for rank in range(len(branches))]
         budget = max(self.nodes, max((len(b) for b in branches), default=0) + 1)
         # sized from the cached latency table only (no wall-clock input): a seeded generation picks the same trees,
@@ -274,7 +278,8 @@ class HybridDrafter:
             self.calibration.update(float(shared.heads_values[1:].sum()),
                                     sum(1 for src in path_sources if src & HEADS))
             self.gate.update(sum(1 for src in path_sources if src == HEADS))
-        self.index.extend(outcome.emitted)
+        if self.lookup:
+            self.index.extend(outcome.emitted)
         self.prefix_len += outcome.nodes.numel()
         self.heads.observe(outcome)
 

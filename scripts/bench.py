@@ -51,7 +51,8 @@ class BenchArgs:
                 "hybrid[:<tree>] (heads + lookup branches), lookup (our loop, lookup branches only); "
                 "medusa[:<tree>], mtp[:<tree>], medusa_hybrid, mtp_hybrid (the same with heads of that kind, to "
                 "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N], "
-                "dynamic:nodes=N,topk=K,depth=D,min_mass=M or auto (MTP)"})
+                "dynamic:nodes=N,topk=K,depth=D,min_mass=M or auto (MTP); a method ending in @fixed verifies its "
+                "whole tree every round (default: trees are cut per round to the nodes worth their verify time)"})
     draft: str = field(default=DEFAULT_DRAFT, metadata={
         "help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
     limit: int | None = field(default=None, metadata={"help": "at most this many prompts per category"})
@@ -115,8 +116,11 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                 notes["assisted"] = f"skipped: draft model {draft} is not installed ({err})"
                 continue
             methods["assisted"] = hf_method(model, assistant_model=draft_model)
-        elif name.split(":")[0] in TOKENMAXX_METHODS:
-            prefix = name.split(":")[0]
+        elif name.split(":")[0].split("@")[0] in TOKENMAXX_METHODS:
+            spec_name, _, flag = name.partition("@")
+            if flag not in ("", "fixed"):
+                raise ValueError(f"unknown method flag in {name!r}: expected @fixed (whole trees every round) or none")
+            prefix = spec_name.split(":")[0]
             draft = "lookup" if prefix == "lookup" else "hybrid" if prefix.endswith("hybrid") else \
                 args.draft if prefix == "tokenmaxx" else "heads"
             kind = prefix.split("_")[0] if prefix.startswith(("medusa", "mtp")) else None
@@ -124,13 +128,14 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
             if (kind, spec) not in heads and draft != "lookup":
                 heads[kind, spec] = resolve_heads(spec, model, args.backbone, kind=kind)
             gen = SpeculativeGenerator.create(model, heads[kind, spec] if draft != "lookup" else None,
-                                              tokenizer=tokenizer, tree=name.split(":", 1)[1] if ":" in name else None,
-                                              draft=draft)
+                                              tokenizer=tokenizer,
+                                              tree=spec_name.split(":", 1)[1] if ":" in spec_name else None,
+                                              draft=draft, adaptive_budget=flag != "fixed")
             notes[f"{name} tree"] = tree_note(gen.tree_settings)
             methods[name] = tokenmaxx_method(gen)
         else:
             raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, or one of "
-                             f"{TOKENMAXX_METHODS} (optionally :<tree>)")
+                             f"{TOKENMAXX_METHODS} (optionally :<tree>, @fixed)")
     return methods, notes
 
 

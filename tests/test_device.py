@@ -105,12 +105,13 @@ def test_drafters_draft_on_the_backbone_device():
     model.to(META)
     hidden = torch.zeros(PROMPT.shape[1], model.config.hidden_size, device=META)  # [P, H]
     prefill = Prefill(input_ids=PROMPT[0].to(META), hidden=hidden, root=9)
-    medusa_drafter = SpeculativeGenerator(model, medusa, draft="heads").make_drafter()
+    # adaptive_budget=False: a backbone on the meta device has no latency to measure
+    medusa_drafter = SpeculativeGenerator(model, medusa, draft="heads", adaptive_budget=False).make_drafter()
     medusa_drafter.start(prefill)
     draft = medusa_drafter.propose(9, room=4)  # top-k guesses laid on the tree: shapes only
     assert {t.device for t in (draft.tokens, draft.sources, draft.values)} == {META}
     assert draft.tokens.shape == (draft.buffers.num_nodes,)
-    mtp_drafter = SpeculativeGenerator(model, mtp, draft="heads").make_drafter()
+    mtp_drafter = SpeculativeGenerator(model, mtp, draft="heads", adaptive_budget=False).make_drafter()
     step, inputs = mtp_drafter.heads.step, []
 
     def recording_step(*args, **kwargs):
@@ -127,7 +128,7 @@ def test_heads_follow_the_backbone_device_and_dtype():
     model = _model()
     heads = random_mtp(model)
     model.to(device=META, dtype=torch.float16)
-    gen = SpeculativeGenerator(model, heads, draft="heads")
+    gen = SpeculativeGenerator(model, heads, draft="heads", adaptive_budget=False)
     assert {(p.device, p.dtype) for p in gen.heads.parameters()} == {(META, torch.float16)}
 
 

@@ -14,6 +14,7 @@ from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MTPH
 from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.heads.dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
+from tokenmaxx.inference.latency import VerifyLatency
 from tokenmaxx.inference.sampling import build_warpers, target_probs
 
 
@@ -223,6 +224,26 @@ def test_oracle_mtp_heads_match_greedy_with_long_acceptance(model, p_top):
     tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(
         model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4", draft="heads"), 5, seed=5)
     assert tau > (4.0 if p_top == 1.0 else 2.5), tau
+
+
+def test_heads_only_trees_are_cut_to_the_nodes_worth_their_verify_time(model):
+    """draft="heads" on a latency table keeps, each round, the n nodes that maximise expected tokens per second: where
+    every node past the root costs 100 plain steps none pays and each round verifies the root alone (tau 1); where a
+    verify costs the same at any size the whole tree is kept (oracle heads: long acceptance). Output stays the
+    backbone's either way."""
+    def sized(latency):
+        def make(reference, i):
+            gen = SpeculativeGenerator(model, OracleMTP(model, reference, p_top=1.0, seed=i),
+                                       tree="dynamic:nodes=16,topk=3,depth=4", draft="heads")
+            gen.latency = VerifyLatency({0: latency})  # as measured on some machine
+            assert gen.describe().endswith("sized per round")
+            return gen
+        return make
+
+    assert oracle_tau(model, sized({1: 1.0, 2: 100.0, 64: 6400.0}), 3, seed=5) == 1.0
+    assert oracle_tau(model, sized({1: 1.0, 64: 1.0}), 3, seed=5) > 4.0
+    fixed = SpeculativeGenerator(model, random_mtp(model), draft="heads", adaptive_budget=False)
+    assert fixed.latency is None and not fixed.describe().endswith("sized per round")
 
 
 def test_mtp_hybrid_and_sampling_run(model):
