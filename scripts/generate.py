@@ -51,6 +51,9 @@ class GenerateArgs:
                 "'dynamic:nodes=N,topk=K,depth=D' or 'auto'; default: the heads' own"})
     draft: str = field(default=DEFAULT_DRAFT, metadata={
         "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree)"})
+    adaptive_budget: bool = field(default=True, metadata={
+        "help": "cut each round's tree (heads and hybrid) to the nodes worth their verify time on this machine's "
+                "measured latency; false verifies the whole tree every round"})
     do_sample: bool | None = field(default=None, metadata={
         "nargs": "?", "const": True,  # a bare --do_sample means true, as for the other bool flags
         "help": "sample (lossless speculative sampling: the backbone's own distribution) instead of greedy; default: "
@@ -146,7 +149,8 @@ def main(argv=None) -> int:
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter, device=args.device)
     heads = None if args.draft == "lookup" else \
         resolve_heads(args.heads, model, args.backbone, fallback_untrained=True, kind=args.kind)
-    gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft)
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft,
+                                      adaptive_budget=args.adaptive_budget)
     tree_desc = gen.describe()
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)

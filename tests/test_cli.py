@@ -142,6 +142,20 @@ def test_generate_samples_differently_per_seed(tiny_folders, heads, capsys):
     assert new_tokens("--temperature", "0") == new_tokens() == new_tokens("--seed", "2")  # greedy: seeds change nothing
 
 
+def test_adaptive_budget_flag_chooses_sized_or_whole_trees(tiny_folders, capsys):
+    backbone, saved = tiny_folders
+
+    def run(*flags: str) -> tuple[str, str]:
+        generate.main(["--backbone", str(backbone), "--heads", str(saved), "--dtype", "float32", "--threads", "1",
+                       "--max_new_tokens", "12", "--raw", "--prompt", "a b c a b c", "--draft", "heads", *flags])
+        out = capsys.readouterr()
+        return out.out, out.err
+
+    (sized_text, sized_log), (whole_text, whole_log) = run(), run("--adaptive_budget", "false")
+    assert sized_text == whole_text  # greedy: the tree changes the speed, never the text
+    assert "sized per round" in sized_log and "sized per round" not in whole_log and "dynamic tree" in whole_log
+
+
 def test_bad_values_end_in_one_error_line_and_status_2(tiny_folders, monkeypatch, capsys):
     """A bad value found after parsing (a mistyped --heads, an unknown backbone alias, a bad --tree) ends in one
     ``error:`` line on stderr and status 2, from the script and from the console command; --debug or TOKENMAXX_DEBUG=1
