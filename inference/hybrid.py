@@ -277,7 +277,8 @@ class HybridDrafter:
         if outcome.draft.heads_ran:
             self.calibration.update(float(shared.heads_values[1:].sum()),
                                     sum(1 for src in path_sources if src & HEADS))
-            self.gate.update(sum(1 for src in path_sources if src == HEADS))
+            if self.lookup:  # heads alone never sit out
+                self.gate.update(sum(1 for src in path_sources if src == HEADS))
         if self.lookup:
             self.index.extend(outcome.emitted)
         self.prefix_len += outcome.nodes.numel()

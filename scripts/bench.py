@@ -95,6 +95,22 @@ def tree_note(settings) -> dict | list | None:
     return asdict(settings) if dataclasses.is_dataclass(settings) else json.loads(settings.to_json())
 
 
+def tokenmaxx_method_spec(name: str, default_draft: str) -> tuple[str, str | None, str | None, bool] | None:
+    """A tokenmaxx method name -> (draft mode, head kind or None for --heads, tree spec or None, fixed); None for a
+    name that is not one. ``NAME[:TREE][@fixed]``: @fixed verifies whole trees every round (no per-round sizing)."""
+    fixed = name.endswith("@fixed")
+    base = name.removesuffix("@fixed")
+    prefix, _, tree = base.partition(":")
+    if prefix not in TOKENMAXX_METHODS:
+        return None
+    draft = "lookup" if prefix == "lookup" else "hybrid" if prefix.endswith("hybrid") else \
+        default_draft if prefix == "tokenmaxx" else "heads"
+    if fixed and draft == "lookup":
+        raise ValueError(f"method {name!r}: lookup drafting has no heads' tree to keep whole; drop @fixed")
+    kind = prefix.split("_")[0] if prefix.startswith(("medusa", "mtp")) else None
+    return draft, kind, tree or None, fixed
+
+
 def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
     """name -> callable(input_ids, max_new_tokens) -> new tokens; plus notes (skipped methods, choices)."""
     methods, notes = {"baseline": hf_method(model)}, {}
@@ -116,21 +132,13 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                 notes["assisted"] = f"skipped: draft model {draft} is not installed ({err})"
                 continue
             methods["assisted"] = hf_method(model, assistant_model=draft_model)
-        elif name.split(":")[0].split("@")[0] in TOKENMAXX_METHODS:
-            spec_name, _, flag = name.partition("@")
-            if flag not in ("", "fixed"):
-                raise ValueError(f"unknown method flag in {name!r}: expected @fixed (whole trees every round) or none")
-            prefix = spec_name.split(":")[0]
-            draft = "lookup" if prefix == "lookup" else "hybrid" if prefix.endswith("hybrid") else \
-                args.draft if prefix == "tokenmaxx" else "heads"
-            kind = prefix.split("_")[0] if prefix.startswith(("medusa", "mtp")) else None
+        elif (method := tokenmaxx_method_spec(name, args.draft)) is not None:
+            draft, kind, tree, fixed = method
             spec = {None: args.heads, "medusa": args.medusa_heads, "mtp": args.mtp_heads}[kind]
             if (kind, spec) not in heads and draft != "lookup":
                 heads[kind, spec] = resolve_heads(spec, model, args.backbone, kind=kind)
             gen = SpeculativeGenerator.create(model, heads[kind, spec] if draft != "lookup" else None,
-                                              tokenizer=tokenizer,
-                                              tree=spec_name.split(":", 1)[1] if ":" in spec_name else None,
-                                              draft=draft, adaptive_budget=flag != "fixed")
+                                              tokenizer=tokenizer, tree=tree, draft=draft, adaptive_budget=not fixed)
             notes[f"{name} tree"] = tree_note(gen.tree_settings)
             methods[name] = tokenmaxx_method(gen)
         else:

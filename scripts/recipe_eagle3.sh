@@ -57,17 +57,32 @@ fi
 #    1.3-1.8x the tokens/s of one two-thread process: batched generation's small matmuls scale poorly across
 #    threads). A part stopped midway resumes at its first unanswered batch of 32 prompts.
 UNFINISHED=$KEPT/unfinished
-stash_part() {  # finished shards and answered batches (each written under a temp name, then renamed; make_data
-  # drops temp names it finds) of a part still being answered
+stash_part() {  # finished shards and answered batches (each written under a temp name, then renamed) of a part still
+  # being answered; safe beside a running answers stage: an item that vanishes while it is copied (a chunk finished,
+  # its batches folded into a shard) is left out, and a part that finished meanwhile is not stashed
   local p=$1 src=$MIX/part-$1 dst=$UNFINISHED/part-$1
   [ -f "$src/settings.json" ] && [ -d "$src/shards" ] && [ ! -f "$src/state.json" ] || return 0
-  local saved=("$src"/shards/[0-9][0-9][0-9][0-9][0-9] "$src"/shards/partial-[0-9][0-9][0-9][0-9][0-9])
   local shards=("$src"/shards/[0-9][0-9][0-9][0-9][0-9]) batches=("$src"/shards/partial-*/[0-9][0-9][0-9][0-9][0-9])
-  [ ${#saved[@]} -gt 0 ] || return 0
+  [ $(( ${#shards[@]} + ${#batches[@]} )) -gt 0 ] || return 0
   rm -rf "$dst.tmp" && mkdir -p "$dst.tmp/shards"
-  cp "$src/settings.json" "$dst.tmp/" && cp -r "${saved[@]}" "$dst.tmp/shards/"
+  cp "$src/settings.json" "$dst.tmp/"
+  local item into copied_shards=0 copied_batches=0
+  for item in "${shards[@]}" "${batches[@]}"; do
+    into=$dst.tmp/shards/${item#"$src"/shards/}
+    mkdir -p "$(dirname "$into")"
+    if cp -r "$item" "$into" 2>/dev/null; then
+      case $item in */partial-*) copied_batches=$((copied_batches + 1)) ;; *) copied_shards=$((copied_shards + 1)) ;; esac
+    else
+      rm -rf "$into"
+    fi
+  done
+  if [ -f "$src/state.json" ] || [ -f "$KEPT/part-$p/provenance.json" ] \
+      || [ $((copied_shards + copied_batches)) -eq 0 ]; then
+    rm -rf "$dst.tmp"
+    return 0
+  fi
   rm -rf "$dst" && mv "$dst.tmp" "$dst"
-  echo "stashed part $p: ${#shards[@]} finished shards and ${#batches[@]} answered batches -> $dst"
+  echo "stashed part $p: $copied_shards finished shards and $copied_batches answered batches -> $dst"
 }
 restore_part() {  # a stash from an earlier session, on a machine that has no working copy of the part
   local p=$1 src=$UNFINISHED/part-$1 dst=$MIX/part-$1
@@ -92,8 +107,13 @@ answer_part() {
 }
 TODO=()
 for p in $(seq -f "%03g" 0 $((PARTS - 1))); do
-  [ -f "$KEPT/part-$p/provenance.json" ] || TODO+=("$p")
+  if [ -f "$KEPT/part-$p/provenance.json" ]; then
+    rm -rf "$UNFINISHED/part-$p"  # a stash made while the part was finishing
+  else
+    TODO+=("$p")
+  fi
 done
+rmdir "$UNFINISHED" 2>/dev/null || true
 if [ "$STAGE" = stash ]; then
   for p in "${TODO[@]}"; do stash_part "$p"; done
   exit 0

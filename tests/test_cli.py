@@ -206,6 +206,19 @@ def test_bench_prompts_are_required(tmp_path, capsys):
         assert exit_info.value.code == 2 and len(errors) == 1 and message in errors[0], errors
 
 
+def test_bench_method_names_give_draft_kind_tree_and_whole_tree_flag():
+    spec = bench.tokenmaxx_method_spec
+    assert spec("mtp", "hybrid") == ("heads", "mtp", None, False)
+    assert spec("mtp:dynamic:16@fixed", "hybrid") == ("heads", "mtp", "dynamic:16", True)
+    assert spec("hybrid:/runs/a@b/tree.json", "heads") == ("hybrid", None, "/runs/a@b/tree.json", False)
+    assert spec("tokenmaxx@fixed", "heads") == ("heads", None, None, True)
+    assert spec("medusa_hybrid", "heads") == ("hybrid", "medusa", None, False)
+    assert spec("lookup", "hybrid") == ("lookup", None, None, False)
+    assert spec("baseline", "hybrid") is None and spec("mtp@whole", "hybrid") is None
+    with pytest.raises(ValueError, match="lookup drafting has no heads' tree"):
+        spec("lookup@fixed", "hybrid")
+
+
 def test_bench_records_the_tree_settings_as_json():
     assert bench.tree_note(None) is None  # lookup-only drafting has no tree
     assert bench.tree_note(DynamicTreeConfig(nodes=6, min_mass=0.0)) == {"nodes": 6, "topk": 8, "depth": None,

@@ -320,21 +320,32 @@ def test_a_run_stopped_inside_a_chunk_answers_only_its_unsaved_batches(tmp_path,
     assert not (tmp_path / "killed" / "shards").exists()
 
 
-def test_a_saved_batch_for_other_rows_is_one_clear_error(tmp_path, backbone, monkeypatch):
+@pytest.mark.parametrize("change,sampled,error", [
+    ("rows", False, r"00001 holds the answers of rows .* expected rows"),
+    ("device", True, r"00001 was sampled on cuda, this run is on cpu: .* Resume on cuda, or delete"),
+    ("device", False, None),  # greedy answers do not depend on the random generator
+])
+def test_a_saved_batch_that_cannot_continue_the_chunk_is_one_clear_error(tmp_path, backbone, monkeypatch, change,
+                                                                          sampled, error):
     import tokenmaxx.training.data as data_module
 
     model, tokenizer = backbone
     source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i} " + "la " * (i % 5)} for i in range(6)])
-    cfg = config(tmp_path, [source], batch_size=2, chunk_size=6)
+    cfg = config(tmp_path, [source], batch_size=2, chunk_size=6, **(dict(temperature=0.9, seed=3) if sampled else {}))
     monkeypatch.setattr(data_module, "write_shard", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         make_data(cfg, model, tokenizer)
     monkeypatch.undo()
     batch = Path(cfg.output_dir) / "shards" / "partial-00000" / "00001"
     saved = json.loads((batch / "answers.json").read_text())
-    (batch / "answers.json").write_text(json.dumps({**saved, "rows": saved["rows"][::-1]}))
-    with pytest.raises(ValueError, match=r"00001 holds the answers of rows .* expected rows"):
-        make_data(cfg, model, tokenizer)
+    assert saved["device"] == "cpu"
+    changed = {"rows": saved["rows"][::-1]} if change == "rows" else {"device": "cuda"}  # as if saved on a GPU
+    (batch / "answers.json").write_text(json.dumps({**saved, **changed}))
+    if error is None:
+        assert len(make_data(cfg, model, tokenizer)) == 6
+    else:
+        with pytest.raises(ValueError, match=error):
+            make_data(cfg, model, tokenizer)
 
 
 # ---- config and script ---------------------------------------------------------------------------------------------

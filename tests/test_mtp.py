@@ -221,8 +221,9 @@ def test_random_mtp_heads_match_greedy(model, tree):
 
 @pytest.mark.parametrize("p_top", [1.0, 0.6])
 def test_oracle_mtp_heads_match_greedy_with_long_acceptance(model, p_top):
-    tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(
-        model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4", draft="heads"), 5, seed=5)
+    tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(  # whole trees: acceptance, not sizing
+        model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4", draft="heads",
+        adaptive_budget=False), 5, seed=5)
     assert tau > (4.0 if p_top == 1.0 else 2.5), tau
 
 

@@ -60,7 +60,8 @@ def test_oracle_heads_token_identical_fp32(smollm2):
     input_ids = gen.encode([{"role": "user", "content": PROMPTS[1]}])
     expected = greedy_reference(model, input_ids, 40)
     oracle = OracleHeads(model, greedy_reference(model, input_ids, 48), p_top=0.8, p_wrong=0.1)
-    out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer, draft="heads").generate(input_ids, max_new_tokens=40)
+    out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer, draft="heads",  # whole trees: acceptance
+                               adaptive_budget=False).generate(input_ids, max_new_tokens=40)
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.mean_tau > 2.0
 

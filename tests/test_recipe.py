@@ -65,6 +65,7 @@ def test_unfinished_parts_are_stashed_and_resumed_on_a_fresh_machine(recipe):
     stash = kept / "unfinished" / "part-000"
     assert "stashed part 000: 2 finished shards and 2 answered batches" in out.stdout
     assert sorted(p.name for p in (stash / "shards").iterdir()) == ["00000", "00001", "partial-00002"]
+    assert sorted(p.name for p in (stash / "shards" / "partial-00002").iterdir()) == ["00000", "00001"]  # no temp
     assert (stash / "settings.json").read_text() == '{"num_prompts": 2048}'
     assert (stash / "shards" / "00001" / "data-00000-of-00001.arrow").read_text() == "00001"
     batch = stash / "shards" / "partial-00002" / "00001"
@@ -91,8 +92,10 @@ def test_stash_skips_finished_and_kept_parts_and_never_overwrites_a_working_copy
     out = run("stash", parts=3)
     assert "stashed" not in out.stdout and not (kept / "unfinished").exists()
     _part(mix / "part-003", ["partial-00000/00000"])  # only a batch of its first shard answered: stashed too
-    out = run("stash", parts=4)
+    _part(mix / "part-004", ["partial-00000/.tmp-00000"])  # its first batch still being saved: nothing to stash
+    out = run("stash", parts=5)
     assert "stashed part 003: 0 finished shards and 1 answered batches" in out.stdout
+    assert "part 004" not in out.stdout and not (kept / "unfinished" / "part-004").exists()
     (kept / "unfinished" / "part-003").rename(mix.parent / "stash-003")  # (out of the way of the answers stage)
 
     # a working copy that is further along than an old stash is not replaced by it
@@ -116,3 +119,13 @@ def test_new_parts_are_answered_in_the_machines_dtype_and_started_parts_keep_the
     assert f"scripts/make_data.py {mix}/part-001 auto" in log  # make_data: bf16 where it is native, else fp32
     run("answers", parts=3, DTYPE="bfloat16")  # chosen by hand
     assert f"scripts/make_data.py {mix}/part-002 bfloat16" in (mix.parent / "log").read_text().splitlines()
+
+
+def test_a_stash_of_a_part_that_finished_meanwhile_is_dropped(recipe):
+    """A stash copied beside an answers stage just as its part finished would otherwise outlive the part."""
+    mix, kept, run = recipe
+    _part(kept / "unfinished" / "part-000", ["00000"])
+    (kept / "part-000").mkdir()
+    (kept / "part-000" / "provenance.json").write_text("{}")  # the part is kept: finished
+    run("stash")
+    assert not (kept / "unfinished").exists()

@@ -364,7 +364,7 @@ def generate_answers(model, prompt_ids: list[list[int]], gen: GenerationConfig, 
         saved = checkpoint / f"{b:05d}" if checkpoint is not None else None
         resuming = resuming and saved.is_dir()  # only the unbroken run of saved batches from the first
         if resuming:
-            for i, answer in zip(rows, read_batch(saved, rows, device)):
+            for i, answer in zip(rows, read_batch(saved, rows, device, sampled=bool(gen.do_sample))):
                 answers[i] = answer
             if progress is not None:
                 progress(len(rows), 0, 0.0)

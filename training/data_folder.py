@@ -118,7 +118,8 @@ def write_batch(path: Path, rows: list[int], answers: list[list[int]], device: t
     if tmp.exists():
         remove(tmp)
     tmp.mkdir(parents=True)
-    (tmp / "answers.json").write_text(json.dumps({"rows": rows, "answers": answers}) + "\n")
+    saved = {"rows": rows, "answers": answers, "device": device.type}
+    (tmp / "answers.json").write_text(json.dumps(saved) + "\n")
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -128,12 +129,18 @@ def write_batch(path: Path, rows: list[int], answers: list[list[int]], device: t
     os.replace(tmp, path)
 
 
-def read_batch(path: Path, rows: list[int], device: torch.device) -> list[list[int]]:
-    """The answers of a batch saved by ``write_batch``, after restoring the RNG state it saved."""
+def read_batch(path: Path, rows: list[int], device: torch.device, sampled: bool) -> list[list[int]]:
+    """The answers of a batch saved by ``write_batch``, after restoring the RNG state it saved. ``sampled``: the
+    answers were sampled, so the rest of the chunk must draw from the same device's generator to match an
+    uninterrupted run."""
     saved = json.loads((path / "answers.json").read_text())
     if saved["rows"] != rows:
         raise ValueError(f"{path} holds the answers of rows {saved['rows']}, expected rows {rows}: the folder was "
                          "changed by hand; delete that partial-* folder to answer its chunk again")
+    if sampled and saved.get("device", "cpu") != device.type:
+        raise ValueError(f"{path} was sampled on {saved.get('device', 'cpu')}, this run is on {device.type}: the "
+                         "rest of its chunk would draw from another random generator than an uninterrupted run. "
+                         f"Resume on {saved.get('device', 'cpu')}, or delete {path.parent} to answer the chunk again")
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     if device.type == "cuda" and "cuda" in rng:
