@@ -6,6 +6,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from safetensors.torch import load_file
 
 from tokenmaxx.heads import BACKBONES
 from tokenmaxx.training.batches import load_data
@@ -62,12 +63,29 @@ UNFINISHED = sorted(KEPT.glob("*/unfinished/part-*"))  # recipe_eagle3.sh STAGE=
 
 @pytest.mark.parametrize("part", UNFINISHED, ids=[p.name for p in UNFINISHED])
 def test_each_unfinished_part_resumes_from_whole_shards_of_the_right_run(part):
+    """Finished shards (datasets) and the answered batches of unfinished chunks (make_data's partial-NNNNN folders),
+    nothing half-written; the batches are those make_data would read back (rows of the chunk in its batch order)."""
     settings = json.loads((part / "settings.json").read_text())
     _assert_answered_by_the_recipe(settings)
-    shards = sorted((part / "shards").iterdir())
-    assert shards and all(s.name.isdigit() and len(s.name) == 5 for s in shards)  # no half-written temp shard
+    entries = sorted((part / "shards").iterdir())
+    shards = [s for s in entries if s.name.isdigit() and len(s.name) == 5]
+    partials = [s for s in entries if s.name.startswith("partial-")]
+    assert entries and sorted(shards + partials) == entries  # no half-written temp shard
     chunks = -(-settings["num_prompts"] // settings["chunk_size"])
     assert len(shards) < chunks  # else the part would be finished and kept as a part
+    for partial in partials:
+        chunk = int(partial.name.removeprefix("partial-"))
+        assert chunk < chunks and partial.with_name(f"{chunk:05d}") not in shards
+        batches = sorted(partial.iterdir())
+        assert [b.name for b in batches] == [f"{i:05d}" for i in range(len(batches))]  # an unbroken run, no temp
+        seen = set()
+        for batch in batches:
+            saved = json.loads((batch / "answers.json").read_text())
+            assert 0 < len(saved["rows"]) == len(saved["answers"]) <= settings["batch_size"]
+            assert all(0 <= r < settings["chunk_size"] for r in saved["rows"]) and not seen & set(saved["rows"])
+            seen |= set(saved["rows"])
+            assert all(answer and len(answer) <= settings["max_new_tokens"] for answer in saved["answers"])
+            assert set(load_file(str(batch / "rng.safetensors"))) >= {"cpu"}
     bench = REPO.parent / "shared" / "bench"
     excluded = load_exclusions([str(bench)]) if bench.is_dir() else set()
     for shard in shards:
