@@ -137,10 +137,11 @@ def read_batch(path: Path, rows: list[int], device: torch.device, sampled: bool)
     if saved["rows"] != rows:
         raise ValueError(f"{path} holds the answers of rows {saved['rows']}, expected rows {rows}: the folder was "
                          "changed by hand; delete that partial-* folder to answer its chunk again")
-    if sampled and saved.get("device", "cpu") != device.type:
-        raise ValueError(f"{path} was sampled on {saved.get('device', 'cpu')}, this run is on {device.type}: the "
-                         "rest of its chunk would draw from another random generator than an uninterrupted run. "
-                         f"Resume on {saved.get('device', 'cpu')}, or delete {path.parent} to answer the chunk again")
+    where = saved.get("device", "cpu")  # (batches saved before the field existed were all answered on a CPU)
+    if sampled and where != device.type:
+        raise ValueError(f"{path} was sampled on {where}, this run is on {device.type}: the rest of its chunk would "
+                         f"draw from another random generator than an uninterrupted run. Resume on {where}, or delete "
+                         f"{path.parent} to answer the chunk again")
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     if device.type == "cuda" and "cuda" in rng:
