@@ -11,7 +11,8 @@ A drafter is made fresh for each generation (it holds that generation's state) a
 Drafting modes (``DRAFT_MODES``, a registry of builders):
 - "heads":  the heads' own drafter; each head kind builds it (``DraftHeads.drafter``): static trees for Medusa
   heads (``heads/medusa.py``), dynamic trees grown from the draft's log-probabilities for MTP heads (``heads/mtp.py``);
-  with a latency table, cut per round to the nodes worth their verify time (``hybrid.HybridDrafter``, lookup off).
+  with a latency table, cut per round to the nodes worth their verify time, and sitting out rounds in which they
+  would not earn their proposing time (``hybrid.HybridDrafter``, lookup off).
 - "lookup": prompt lookup alone (``lookup.LookupDrafter``): n-gram continuations from the prompt and the output.
 - "hybrid": both, sharing one node budget sized per round (``hybrid.HybridDrafter``): measured fastest, the default.
 
@@ -50,19 +51,20 @@ class Drafter(Protocol):
         """What the backbone accepted of the last draft."""
 
 
-def _heads(model, heads, tree, lookup, draft_vocab, latency) -> Drafter:
+def _heads(model, heads, tree, lookup, draft_vocab, latency, propose_cost) -> Drafter:
     own = heads.drafter(model, tree=tree, draft_vocab=draft_vocab)
     # on a measured latency the tree is cut per round to the nodes that pay for their verify time (share_budget)
-    return own if latency is None else HybridDrafter(own, nodes=own.nodes, latency=latency, lookup=False)
+    return own if latency is None else HybridDrafter(own, config=lookup, nodes=own.nodes, latency=latency,
+                                                     lookup=False, propose_cost=propose_cost)
 
 
-def _lookup(model, heads, tree, lookup, draft_vocab, latency) -> Drafter:
+def _lookup(model, heads, tree, lookup, draft_vocab, latency, propose_cost) -> Drafter:
     return LookupDrafter(lookup)
 
 
-def _hybrid(model, heads, tree, lookup, draft_vocab, latency) -> Drafter:
+def _hybrid(model, heads, tree, lookup, draft_vocab, latency, propose_cost) -> Drafter:
     own = heads.drafter(model, tree=tree, draft_vocab=draft_vocab)
-    return HybridDrafter(own, lookup, nodes=own.nodes, latency=latency)
+    return HybridDrafter(own, lookup, nodes=own.nodes, latency=latency, propose_cost=propose_cost)
 
 
 DRAFT_MODES: dict[str, Callable[..., Drafter]] = {"heads": _heads, "lookup": _lookup, "hybrid": _hybrid}
@@ -78,9 +80,12 @@ def check_draft_mode(mode: str, heads) -> None:
 
 
 def make_drafter(mode: str, model, heads=None, tree=None, lookup: LookupConfig | None = None,
-                 draft_vocab: bool = True, latency: VerifyLatency | None = None) -> Drafter:
+                 draft_vocab: bool = True, latency: VerifyLatency | None = None,
+                 propose_cost: float | None = None) -> Drafter:
     """A fresh drafter of ``mode`` for one generation on ``model``. ``tree``: the heads' tree settings (a spec of
     their kind, None: their own); ``lookup``: prompt-lookup settings; ``latency``: this machine's verify latency per
-    node count (heads and hybrid: the budget is sized per round from it; None keeps the whole budget)."""
+    node count (heads and hybrid: the budget is sized per round from it; None keeps the whole budget);
+    ``propose_cost``: seconds one proposal of the heads takes here (with ``latency``: heads that do not earn it sit
+    rounds out)."""
     check_draft_mode(mode, heads)
-    return DRAFT_MODES[mode](model, heads, tree, lookup, draft_vocab, latency)
+    return DRAFT_MODES[mode](model, heads, tree, lookup, draft_vocab, latency, propose_cost)

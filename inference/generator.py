@@ -23,7 +23,7 @@ from .autotune import resolve_auto
 from .calibration_store import cpu_isa, cpu_name
 from .decoding import accept_greedy
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, check_draft_mode, make_drafter
-from .latency import cached_latency
+from .latency import cached_latency, cached_propose_cost
 from .lookup import LookupConfig
 from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
@@ -68,7 +68,8 @@ class SpeculativeGenerator:
     "dynamic", "dynamic:N", "dynamic:nodes=N,topk=K,...") or None for the heads' own; "auto" (chosen for this
     machine) goes through ``SpeculativeGenerator.create``. ``lookup``: prompt-lookup settings. ``draft_vocab``: heads
     with a draft vocabulary guess over it. ``adaptive_budget``: the heads' and hybrid trees are sized per round from
-    this machine's verify latency (measured once, cached): nodes that would not pay for their verify time are cut.
+    this machine's verify latency and the heads' proposing time (both measured once, cached): nodes that would not pay
+    for their verify time are cut, and heads that would not pay for their proposing time sit rounds out.
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree=None, strict_identity: bool = True,
@@ -88,6 +89,8 @@ class SpeculativeGenerator:
         self.tree_settings = heads.tree_settings(heads.config, tree) if draft != "lookup" else None
         self.attention = shared_kv_kwargs(model)  # tree verifies let SDPA share the KV heads where that applies
         self.latency = cached_latency(model) if draft in NEEDS_HEADS and adaptive_budget else None
+        self.propose_cost = cached_propose_cost(model, heads, self.tree_settings, draft_vocab) \
+            if self.latency is not None else None
 
     @classmethod
     def create(cls, model, heads: DraftHeads | None, tokenizer=None, tree=None, **kwargs) -> "SpeculativeGenerator":
@@ -120,7 +123,7 @@ class SpeculativeGenerator:
     def make_drafter(self):
         """A fresh drafter for one generation."""
         return make_drafter(self.draft, self.model, self.heads, tree=self.tree_settings, lookup=self.lookup,
-                            draft_vocab=self.draft_vocab, latency=self.latency)
+                            draft_vocab=self.draft_vocab, latency=self.latency, propose_cost=self.propose_cost)
 
     def describe(self) -> str:
         """What drafts, e.g. "hybrid drafting: dynamic tree, 8 nodes + prompt lookup"."""

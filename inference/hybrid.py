@@ -106,28 +106,41 @@ class HeadsCalibration:
 
 @dataclass
 class HeadsGate:
-    """Whether the heads are worth running this round (hybrid drafting). Proposing costs a few ms per round even
-    when no heads node ends up accepted (SmolLM2 bf16 on 2 CPU cores, ~60-90 ms rounds: ~4 ms for Medusa heads,
-    ~6 ms for MTP heads, whose ~3 ms cache update runs every round either way); on text the lookup
-    branches copy (translation: 2 heads tokens accepted in ~170 rounds) that is pure loss. Keeps a decayed mean of the
-    tokens only the heads drafted that each proposing round accepted; below ``min_yield`` the heads sit out all but
-    every ``explore_every``-th round, whose outcome keeps the estimate current. Counts rounds, not seconds, so seeded
-    sampling stays reproducible."""
+    """Whether the heads are worth running this round. Proposing costs time every round the heads run, accepted or not
+    (the shipped MTP heads, fp32 on a 2-core AVX2 EPYC: ~14 ms against a ~75 ms decode step); on text the lookup
+    branches copy (translation: 2 heads tokens accepted in ~170 rounds) or the heads guess badly, that is pure loss.
+
+    Keeps decayed means of the tokens only the heads drafted that each proposing round accepted (``rate``), and, over
+    all rounds, of the other tokens a round yields (accepted lookup tokens and the bonus token) and of its verify
+    seconds. The heads run while what they add pays for their proposing time ``cost``: rate >= cost x (other tokens
+    per round) / (seconds per round), i.e. tokens/s with them beats tokens/s without, and rate >= ``min_yield``.
+    Below that they sit out all but every ``explore_every``-th round, whose outcome keeps the estimate current.
+    Seconds come from the cached latency table and ``cost`` is a cached measurement (``latency.py``), never a clock
+    read: seeded sampling stays reproducible."""
 
     min_yield: float = 0.05
     explore_every: int = 8
     decay: float = 0.9
+    cost: float = 0.0  # seconds one proposal takes on this machine (0: only min_yield counts)
     rate: float = 1.0  # decayed mean of heads-only accepted tokens per proposing round
+    other_tokens: float = 1.0  # decayed mean, per round, of the tokens not drafted by the heads alone (bonus included)
+    seconds: float = 0.0  # decayed mean of a round's verify seconds (0: no round seen yet)
     _skipped: int = 0
 
     def __post_init__(self):
-        if self.min_yield < 0 or self.explore_every < 1 or not 0 <= self.decay < 1:
-            raise ValueError(f"need min_yield >= 0, explore_every >= 1 and 0 <= decay < 1, got {self.min_yield}, "
-                             f"{self.explore_every}, {self.decay}")
+        if self.min_yield < 0 or self.explore_every < 1 or not 0 <= self.decay < 1 or self.cost < 0:
+            raise ValueError(f"need min_yield >= 0, explore_every >= 1, 0 <= decay < 1 and cost >= 0, got "
+                             f"{self.min_yield}, {self.explore_every}, {self.decay}, {self.cost}")
+
+    @property
+    def threshold(self) -> float:
+        """Heads-only accepted tokens per proposing round below which the heads sit out."""
+        pays = self.cost * self.other_tokens / self.seconds if self.seconds > 0 else 0.0
+        return max(self.min_yield, pays)
 
     def propose(self) -> bool:
         """Run the heads this round?"""
-        if self.rate >= self.min_yield or self._skipped + 1 >= self.explore_every:
+        if self.rate >= self.threshold or self._skipped + 1 >= self.explore_every:
             self._skipped = 0
             return True
         self._skipped += 1
@@ -136,6 +149,14 @@ class HeadsGate:
     def update(self, heads_only_accepted: int) -> None:
         """After a round in which the heads proposed: how many accepted tokens only they had drafted."""
         self.rate = self.decay * self.rate + (1 - self.decay) * heads_only_accepted
+
+    def record_round(self, other_tokens: int, seconds: float) -> None:
+        """After every round: the tokens it yielded that the heads alone did not draft, and its verify seconds."""
+        if self.seconds == 0:  # the first round sets the means
+            self.other_tokens, self.seconds = float(other_tokens), seconds
+        else:
+            self.other_tokens = self.decay * self.other_tokens + (1 - self.decay) * other_tokens
+            self.seconds = self.decay * self.seconds + (1 - self.decay) * seconds
 
 
 class SharedTree(NamedTuple):
@@ -149,7 +170,7 @@ class SharedTree(NamedTuple):
 
 def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branches: list[list[int]],
                  p_lookup: Sequence[float | Sequence[float]], budget: int, latency: dict[int, float] | None = None,
-                 heads_scale: float = 1.0) -> SharedTree:
+                 heads_scale: float = 1.0, overhead: float = 0.0) -> SharedTree:
     """Merge lookup branches into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
 
     values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
@@ -158,8 +179,9 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     node also proposed by the heads is worth the larger. Values never grow along a path, so the kept set (best first,
     shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify forward per node
     count, measured on this machine) the budget itself is chosen per step: the n <= budget that maximises
-    (1 + sum of the n-1 best values) / latency(n), i.e. expected tokens per second. The tensors returned are on the
-    device of ``tokens`` and ``values``.
+    (1 + sum of the n-1 best values) / (latency(n) + overhead), i.e. expected tokens per second of a round that also
+    spends ``overhead`` seconds drafting (the heads' proposing time when they ran: a dearer round makes extra nodes
+    relatively cheaper). The tensors returned are on the device of ``tokens`` and ``values``.
     """
     if len(p_lookup) < len(branches):
         raise ValueError(f"{len(branches)} lookup branches but {len(p_lookup)} reliabilities")
@@ -189,7 +211,7 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     if latency is not None:
         gains = worth[ranked[1:budget]].cumsum(0).tolist()  # expected accepted tokens of n-1 nodes
         budget = max(range(1, min(budget, merged.numel()) + 1),
-                     key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / interpolate(latency, n))
+                     key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / (interpolate(latency, n) + overhead))
     if merged.numel() <= budget:
         return SharedTree(merged, merged_buffers, sources, own, paths, values)
     keep = sorted(ranked[:budget])  # original order: parents before children
@@ -214,14 +236,18 @@ class HybridDrafter:
     Per round: the gate decides whether the heads propose; up to ``branches`` lookup continuations of the longest
     matched suffix are merged into the heads' tree; ``share_budget`` keeps the most valuable nodes. ``observe``
     updates the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
+    ``propose_cost``: seconds one proposal of the heads takes on this machine (``latency.cached_propose_cost``); with
+    ``latency`` it sizes the trees of the rounds the heads run and sets the gate's bar (None: neither).
     """
 
     def __init__(self, heads_drafter, config: LookupConfig | None = None, nodes: int = 1,
-                 latency: VerifyLatency | None = None, lookup: bool = True):
+                 latency: VerifyLatency | None = None, lookup: bool = True, propose_cost: float | None = None):
         self.heads = heads_drafter
         # False: the heads' tree alone, sized per round by the same rule (heads drafting on a measured latency); no
-        # lookup branches, and the heads never sit a round out
+        # lookup branches; heads that do not earn their proposing time sit rounds out, which then verify the root alone
+        # (a plain decode step)
         self.lookup = lookup
+        self.propose_cost = propose_cost or 0.0
         self.feature_layers = heads_drafter.feature_layers  # the states are the heads drafter's
         self.config = config or LookupConfig()
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
@@ -235,7 +261,8 @@ class HybridDrafter:
         # surer than one of a single token, the most recent occurrence surer than older ones
         self.reliability: dict[tuple[int, int], LookupReliability] = {}
         self.calibration = HeadsCalibration()  # how the heads' values compare with what is accepted here
-        self.gate = HeadsGate(self.config.heads_min_yield, self.config.heads_explore_every)
+        self.gate = HeadsGate(self.config.heads_min_yield, self.config.heads_explore_every,
+                              cost=self.propose_cost if self.latency is not None else 0.0)
         self.prefix_len = 0  # tokens in the backbone's cache (all but the root)
         self._round: tuple[list, SharedTree] | None = None  # this round's branch estimates and shared tree
 
@@ -250,7 +277,7 @@ class HybridDrafter:
         self.heads.start(prefill)
 
     def propose(self, root: int, room: int) -> Draft:
-        heads_ran = self.gate.propose() if self.lookup else True
+        heads_ran = self.gate.propose()
         own = self.heads.propose(root, room if heads_ran else 0)
         # the branch is offered whole and the shared budget decides how much of it is kept
         matched, branches = self.index.continuations(min(self.config.max_len, room), self.min_ngram,
@@ -262,23 +289,26 @@ class HybridDrafter:
         latency = self.latency.at(self.prefix_len) if self.latency is not None else None
         shared = share_budget(own.tokens, own.buffers, own.values, branches,
                               [rel.values(len(b)) for rel, b in zip(rels, branches)], budget, latency,
-                              self.calibration.scale)
-        self._round = (rels, shared)
+                              self.calibration.scale, overhead=self.propose_cost if heads_ran else 0.0)
+        seconds = interpolate(latency, shared.tokens.numel()) if latency is not None else 0.0
+        self._round = (rels, shared, seconds)
         return Draft(tokens=shared.tokens, buffers=shared.buffers, sources=shared.sources, values=shared.values,
                      heads_ran=heads_ran)
 
     def observe(self, outcome: Outcome) -> None:
-        rels, shared = self._round
+        rels, shared, seconds = self._round
         path = outcome.nodes[1:].tolist()
         path_sources = shared.sources[path].tolist()
         for rel, nodes in zip(rels, shared.branch_nodes):
             if nodes:
                 rel.update_branch(nodes, path)
+        heads_only = sum(1 for src in path_sources if src == HEADS)
         if outcome.draft.heads_ran:
             self.calibration.update(float(shared.heads_values[1:].sum()),
                                     sum(1 for src in path_sources if src & HEADS))
-            if self.lookup:  # heads alone never sit out
-                self.gate.update(sum(1 for src in path_sources if src == HEADS))
+            self.gate.update(heads_only)
+        if self.latency is not None:
+            self.gate.record_round(len(outcome.tokens) - heads_only, seconds)
         if self.lookup:
             self.index.extend(outcome.emitted)
         self.prefix_len += outcome.nodes.numel()

@@ -1,12 +1,16 @@
-"""This machine's verify latency: seconds of one backbone forward of n tree nodes over a cache of P tokens.
+"""This machine's verify latency: seconds of one backbone forward of n tree nodes over a cache of P tokens; and the
+heads' proposing time: seconds of one draft.
 
-``measure_latency`` times it, ``fit_latency`` smooths it into a curve that never decreases in n, ``VerifyLatency``
-holds curves at a few cache lengths and ``cached_latency`` measures them once per backbone and machine. The hybrid
-drafter sizes its trees from it; ``tree="auto"`` (``autotune.py``) chooses the heads' trees from it.
+``measure_latency`` times the verify, ``fit_latency`` smooths it into a curve that never decreases in n,
+``VerifyLatency`` holds curves at a few cache lengths and ``cached_latency`` measures them once per backbone and
+machine. ``measure_propose`` times the heads' drafter and ``cached_propose_cost`` measures it once per heads, tree
+settings and machine. The hybrid drafter sizes its trees from both and lets heads that do not earn their proposing
+time sit rounds out (``hybrid.py``); ``tree="auto"`` (``autotune.py``) chooses the heads' trees from the latency.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -17,9 +21,10 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from tokenmaxx.heads import backbone_identity
+from tokenmaxx.heads import Outcome, Prefill, Tree, backbone_identity
+from tokenmaxx.heads.modeling import backbone_features
 
-from .calibration_store import CALIBRATION_VERSION, cache_path, machine_fingerprint, write_record
+from .calibration_store import CALIBRATION_VERSION, cache_path, calibration_key, machine_fingerprint, write_record
 from .timing import clock
 
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -144,3 +149,63 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
     tables = {p: fit_latency(m) for p, m in measured.items()}
     write_record(path, {"tables": tables, "measured": measured, "machine": machine})
     return VerifyLatency(tables)
+
+
+@torch.inference_mode()
+def measure_propose(model, drafter, prompt_len: int = 128, positions: int = 24) -> float:
+    """Median seconds of one ``drafter.propose`` along the backbone's own greedy continuation of a random prompt (its
+    own text gives drafts as deep and as confident as in generation; random tokens alone would give shallow, cheap
+    ones). The drafter observes one accepted token per position, as in a round that accepts nothing; the clock waits
+    for the device (``timing.clock``)."""
+    weight = model.get_output_embeddings().weight
+    vocab, device = weight.shape[0], weight.device
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None:  # the prompt, its continuation and the deepest draft stay inside the context
+        prompt_len = max(1, min(prompt_len, context - 2 * positions - 1))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    prompt = torch.randint(vocab, (1, prompt_len), generator=gen, device="cpu").to(device)  # [1, P]
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[0, -1]
+    continuation = []
+    for _ in range(positions + 1):
+        continuation.append(logits.argmax().view(1))
+        logits = model(input_ids=continuation[-1][None], past_key_values=cache, use_cache=True).logits[0, -1]
+    seq = torch.cat([prompt[0], *continuation])  # [P + positions + 1]
+    out = model(input_ids=seq[None], output_hidden_states=True)
+    hidden = backbone_features(out.hidden_states, drafter.feature_layers)[0]  # [T, F]
+    drafter.start(Prefill(input_ids=seq[:prompt_len], hidden=hidden[:prompt_len], root=int(seq[prompt_len])))
+    times = []
+    for t in range(prompt_len, seq.numel() - 1):  # the root is seq[t]; the backbone's next token seq[t + 1]
+        start = clock(device)
+        draft = drafter.propose(int(seq[t]), positions)
+        times.append(clock(device) - start)
+        nxt = [int(seq[t + 1])]
+        drafter.observe(Outcome(draft=draft, nodes=torch.zeros(1, dtype=torch.long, device=device), tokens=nxt,
+                                hidden=hidden[t: t + 1], emitted=nxt))
+    return statistics.median(times)
+
+
+def settings_key(tree) -> object:
+    """The heads' tree settings as JSON-able data for a cache key (a Tree's paths, a dataclass's fields)."""
+    if isinstance(tree, Tree):
+        return [list(path) for path in tree.paths]
+    if dataclasses.is_dataclass(tree):
+        return dataclasses.asdict(tree)
+    return tree if tree is None or isinstance(tree, (str, int, float)) else repr(tree)
+
+
+def cached_propose_cost(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None,
+                        refresh: bool = False) -> float:
+    """Seconds the heads' drafter (``heads.drafter(model, tree, draft_vocab)``) takes to propose one tree on this
+    machine (``measure_propose``), measured once per heads, tree settings and machine and cached (~1-3 s on a 2-core
+    CPU). A cached number, not a clock read during generation: a seeded generation sized by it picks the same trees,
+    hence the same samples, every time."""
+    machine = machine_fingerprint(model)
+    key = calibration_key(model, heads, {**machine, "propose": settings_key(tree), "draft_vocab": bool(draft_vocab)})
+    path = cache_path(f"propose-{key}", cache_root)
+    if path.is_file() and not refresh:
+        return float(json.loads(path.read_text())["propose_seconds"])
+    seconds = measure_propose(model, heads.drafter(model, tree=tree, draft_vocab=draft_vocab))
+    write_record(path, {"propose_seconds": seconds, "tree": settings_key(tree), "draft_vocab": bool(draft_vocab),
+                        "machine": machine})
+    return seconds

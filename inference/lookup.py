@@ -30,10 +30,10 @@ class LookupConfig:
     branches: int = field(default=3, metadata={
         "help": "hybrid: distinct continuations offered as branches (earlier occurrences of the matched n-gram)"})
     heads_min_yield: float = field(default=0.05, metadata={
-        "help": "hybrid: heads whose proposals lately add fewer accepted tokens per round than this sit out rounds "
-                "(see HeadsGate); 0 keeps them always on"})
+        "help": "hybrid and sized heads-only drafting: heads whose proposals lately add fewer accepted tokens per "
+                "round than this, or than their proposing time is worth, sit out rounds (see HeadsGate)"})
     heads_explore_every: int = field(default=8, metadata={
-        "help": "hybrid: heads that sit out still propose every this many rounds, to notice when they pay again"})
+        "help": "heads that sit out still propose every this many rounds, to notice when they pay again"})
 
     def __post_init__(self):
         if self.min_ngram is not None and not 1 <= self.min_ngram <= self.max_ngram:

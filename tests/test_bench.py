@@ -139,6 +139,31 @@ def test_measure_latency_statistics():
             measure_latency(model, statistic="mean")
 
 
+def test_propose_cost_is_measured_once_per_heads_and_tree_settings(tmp_path, monkeypatch):
+    """The heads' proposing time is timed on the backbone's own continuation, cached per heads, tree settings and
+    draft vocabulary, and read back (not timed again) for the same ones."""
+    from helpers import random_mtp
+
+    from tokenmaxx.inference import latency
+
+    model = tiny_model("llama")
+    heads = random_mtp(model)
+    seconds = latency.cached_propose_cost(model, heads, "dynamic:6", cache_root=tmp_path)
+    assert 0 < seconds < 5
+    files = list(tmp_path.glob("propose-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["propose_seconds"] == seconds
+
+    def timed(model, drafter):  # what is timed: the heads' drafter with these settings
+        timed.nodes.append(drafter.nodes)
+        return 0.5
+    timed.nodes = []
+    monkeypatch.setattr(latency, "measure_propose", timed)
+    assert latency.cached_propose_cost(model, heads, "dynamic:6", cache_root=tmp_path) == seconds and not timed.nodes
+    assert latency.cached_propose_cost(model, heads, "dynamic:12", cache_root=tmp_path) == 0.5 and timed.nodes == [12]
+    assert latency.cached_propose_cost(model, random_mtp(model, seed=1), "dynamic:6", cache_root=tmp_path) == 0.5
+    assert len(list(tmp_path.glob("propose-*.json"))) == 3
+
+
 def test_verify_latency_between_cache_lengths():
     from tokenmaxx.inference.latency import VerifyLatency
 

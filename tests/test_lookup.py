@@ -125,15 +125,39 @@ def test_heads_gate_sits_out_unpaying_heads_and_explores():
     assert gate.rate >= 0.05 and all(gate.propose() for _ in range(4))
     with pytest.raises(ValueError, match="explore_every >= 1"):
         HeadsGate(explore_every=0)
+    with pytest.raises(ValueError, match="cost >= 0"):
+        HeadsGate(cost=-0.01)
     with pytest.raises(ValueError, match="heads_min_yield >= 0"):
         LookupConfig(heads_min_yield=-1)
+
+
+def test_heads_gate_bar_is_the_proposing_time_the_heads_must_earn():
+    """A proposal costing 15 ms, in rounds of 100 ms that yield 2 tokens without the heads (50 ms a token), must add
+    0.3 heads-only tokens a round: tokens/s with the heads, (2 + r) / 0.115, beats 2 / 0.1 exactly when r > 0.3."""
+    from tokenmaxx.inference.hybrid import HeadsGate
+
+    gate = HeadsGate(min_yield=0.05, explore_every=4, decay=0.5, cost=0.015)
+    assert gate.threshold == 0.05  # no round seen yet: only min_yield
+    gate.record_round(2, 0.1)
+    assert gate.threshold == pytest.approx(0.3)
+    gate.rate = 0.25
+    assert [gate.propose() for _ in range(4)] == [False, False, False, True]
+    gate.update(1)  # 0.5 * 0.25 + 0.5 * 1 = 0.625: pays again
+    assert gate.propose()
+    gate.record_round(6, 0.1)  # text the lookup copies: 4 tokens a round without the heads raise the bar to 0.6
+    assert gate.threshold == pytest.approx(0.6) and gate.propose()
+    gate.update(0)  # 0.3125
+    assert not gate.propose()
+    assert HeadsGate(min_yield=0.05, cost=0.0).threshold == 0.05  # free proposals: min_yield alone
 
 
 def test_hybrid_with_heads_sitting_out_matches_greedy(model):
     # heads that never pay enough (min_yield above any possible yield) sit out 7 rounds of 8: still exact
     gen = SpeculativeGenerator(model, random_heads(model), draft="hybrid",
                                lookup=LookupConfig(heads_min_yield=100.0, heads_explore_every=8))
-    always = SpeculativeGenerator(model, random_heads(model), draft="hybrid", lookup=LookupConfig(heads_min_yield=0))
+    # min_yield 0 on whole trees (no latency, so no proposing time to earn): the heads always run
+    always = SpeculativeGenerator(model, random_heads(model), draft="hybrid", lookup=LookupConfig(heads_min_yield=0),
+                                  adaptive_budget=False)
     for input_ids, max_new in _repeating_prompts(model.config.vocab_size, seed=11):
         expected = greedy_reference(model, input_ids, max_new).tolist()
         out = gen.generate(input_ids, max_new_tokens=max_new)
@@ -296,3 +320,7 @@ def test_share_budget_sizes_the_tree_from_the_latency_table():
     # no branch: the heads tree alone, trimmed the same way
     out, buffers, sources, *_ = share_budget(tokens, tree.buffers, values, [], [], budget=7, latency=steep)
     assert out.tolist() == [9, 10, 13] and (sources == HEADS).all() and buffers.parents.tolist() == [0, 0, 1]
+    # a round that also spends 10 s proposing: extra nodes cost little beside it, 6 nodes give the most tokens per second
+    # ((1 + 0.9 + 0.81 + 0.5 + 0.3 + 0.2) / (0.7 + 10) against 2.71 / 10.1 for 3 nodes)
+    out, *_ = share_budget(tokens, tree.buffers, values, [branch], [0.9], budget=7, latency=steep, overhead=10.0)
+    assert out.numel() == 6

@@ -6,7 +6,7 @@ import math
 
 import pytest
 from helpers import (assert_matches_greedy, chi2_pvalue, exact_pair, greedy_reference, oracle_tau, random_eagle3,
-                     random_heads, random_mtp, tiny_model)
+                     random_heads, random_mtp, random_prompts, tiny_model)
 import torch
 from transformers import DynamicCache, GenerationConfig
 
@@ -245,6 +245,32 @@ def test_heads_only_trees_are_cut_to_the_nodes_worth_their_verify_time(model):
     assert oracle_tau(model, sized({1: 1.0, 64: 1.0}), 3, seed=5) > 4.0
     fixed = SpeculativeGenerator(model, random_mtp(model), draft="heads", adaptive_budget=False)
     assert fixed.latency is None and not fixed.describe().endswith("sized per round")
+
+
+def test_heads_only_drafting_sits_out_rounds_that_do_not_earn_the_proposing_time(model):
+    """Sized heads-only drafting runs the heads only while the tokens only they find pay for their proposing time
+    (``HeadsGate``): heads that guess badly and cost 100 verifies a proposal sit out all but every 8th round (a plain
+    decode step each); oracle heads whose proposal costs half a verify always run and keep their acceptance."""
+    flat = VerifyLatency({0: {1: 1.0, 64: 1.0}})  # every tree size verifies in 1 s: no node is ever cut for its cost
+
+    def costing(propose_cost, steps=None):
+        def make(reference, i):
+            gen = SpeculativeGenerator(model, OracleMTP(model, reference, p_top=1.0, seed=i),
+                                       tree="dynamic:nodes=16,topk=3,depth=4", draft="heads")
+            gen.latency, gen.propose_cost = flat, propose_cost
+            return gen
+        return make
+
+    assert oracle_tau(model, costing(0.5), 3, seed=5) > 4.0
+    gen = SpeculativeGenerator(model, random_mtp(model), draft="heads")
+    gen.latency, gen.propose_cost = flat, 100.0
+    for input_ids, max_new in random_prompts(3, model.config.vocab_size, seed=9):
+        max_new += 24
+        out = gen.generate(input_ids, max_new_tokens=max_new)
+        assert out.sequences.tolist() == greedy_reference(model, input_ids, max_new).tolist()
+        assert out.stats.heads_skipped >= (out.stats.steps - 1) * 7 // 8 - 1, out.stats
+    gen.propose_cost = 0.0  # free proposals: random heads keep proposing while they stay above min_yield
+    assert gen.generate(input_ids, max_new_tokens=8).stats.heads_skipped == 0
 
 
 def test_mtp_hybrid_and_sampling_run(model):
