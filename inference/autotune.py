@@ -28,16 +28,15 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from tokenmaxx.heads import DynamicTreeConfig, Outcome, Prefill, Tree
+from tokenmaxx.heads import DynamicTreeConfig, Tree
 from tokenmaxx.heads.attention import shared_kv_kwargs
 from tokenmaxx.heads.modeling import backbone_features
 
 from .calibration_store import cache_path, calibration_key, machine_fingerprint, write_record
 from .decoding import accept_greedy
 from .drafting import make_drafter
-from .latency import LATENCY_SIZES, fit_latency, measure_latency
+from .latency import LATENCY_SIZES, drafts_along, fit_latency, measure_latency
 from .loop import eos_ids, greedy_root, speculative_decode
-from .timing import clock
 from .tree_search import choose_tree, ordered_paths_from_ranks
 
 # Generic calibration prompts (never benchmark prompts): a mix of chat, code, math, rewriting and summarising.
@@ -157,18 +156,13 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     them whose path equals the continuation. Returns ({budget: mean tau}, mean propose seconds).
     """
     drafter = heads.drafter(model, tree=dataclasses.replace(config, nodes=max(budgets)))
-    device = model.get_output_embeddings().weight.device
     totals = dict.fromkeys(budgets, 0.0)
     positions, propose_s = 0, 0.0
     for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens,
                                           drafter.feature_layers):
-        start = ids.shape[1]
         # the drafter guesses over the same vocabulary as in generation (the draft vocabulary + this prompt's tokens)
-        drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))
-        for t in range(start, seq.numel() - 1):  # root = seq[t]
-            t0 = clock(device)
-            tree = drafter.propose(int(seq[t]), seq.numel() - 1 - t)
-            propose_s += clock(device) - t0
+        for t, tree, seconds in drafts_along(drafter, seq, hidden, ids.shape[1]):  # root = seq[t]
+            propose_s += seconds
             depths, parents = tree.buffers.depths.tolist(), tree.buffers.parents.tolist()
             tokens, scores = tree.tokens.tolist(), tree.values.tolist()  # values: exp(cumulative draft log-prob)
             correct = [True] + [False] * (len(tokens) - 1)
@@ -178,9 +172,6 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
             for n in budgets:
                 totals[n] += 1 + max((depths[i] for i in by_score[: n - 1] if correct[i]), default=0)
             positions += 1
-            nxt = seq[t + 1: t + 2].tolist()  # the backbone's own next token: one accepted position
-            drafter.observe(Outcome(draft=tree, nodes=torch.zeros(1, dtype=torch.long, device=device), tokens=nxt,
-                                    hidden=hidden[t: t + 1], emitted=nxt))
     return {n: totals[n] / max(positions, 1) for n in budgets}, propose_s / max(positions, 1)
 
 

@@ -151,37 +151,39 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
     return VerifyLatency(tables)
 
 
+def drafts_along(drafter, seq: torch.Tensor, hidden: torch.Tensor, start: int):
+    """Walk ``drafter`` along a backbone continuation: seq [T] tokens (the prompt is seq[:start]) and hidden [T, F]
+    the states it reads. At each position t from ``start`` on, the root is seq[t]; yields (t, the draft below it,
+    seconds its proposal took), then tells the drafter that only the backbone's next token seq[t + 1] was accepted.
+    The clock waits for the device (``timing.clock``)."""
+    device = hidden.device
+    drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))
+    for t in range(start, seq.numel() - 1):
+        t0 = clock(device)
+        draft = drafter.propose(int(seq[t]), seq.numel() - 1 - t)
+        yield t, draft, clock(device) - t0
+        nxt = seq[t + 1: t + 2].tolist()
+        drafter.observe(Outcome(draft=draft, nodes=torch.zeros(1, dtype=torch.long, device=device), tokens=nxt,
+                                hidden=hidden[t: t + 1], emitted=nxt))
+
+
 @torch.inference_mode()
 def measure_propose(model, drafter, prompt_len: int = 128, positions: int = 24) -> float:
-    """Median seconds of one ``drafter.propose`` along the backbone's own greedy continuation of a random prompt (its
-    own text gives drafts as deep and as confident as in generation; random tokens alone would give shallow, cheap
-    ones). The drafter observes one accepted token per position, as in a round that accepts nothing; the clock waits
-    for the device (``timing.clock``)."""
+    """Median seconds of one ``drafter.propose`` at ``positions`` positions of the backbone's own greedy continuation
+    of a random prompt (its own text gives drafts as deep and as confident as in generation; random tokens alone would
+    give shallow, cheap ones), each with room for ``positions`` more tokens (``drafts_along``)."""
     weight = model.get_output_embeddings().weight
     vocab, device = weight.shape[0], weight.device
     context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None:  # the prompt, its continuation and the deepest draft stay inside the context
+    if context is not None:  # the prompt and its continuation stay inside the context
         prompt_len = max(1, min(prompt_len, context - 2 * positions - 1))
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(vocab, (1, prompt_len), generator=gen, device="cpu").to(device)  # [1, P]
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[0, -1]
-    continuation = []
-    for _ in range(positions + 1):
-        continuation.append(logits.argmax().view(1))
-        logits = model(input_ids=continuation[-1][None], past_key_values=cache, use_cache=True).logits[0, -1]
-    seq = torch.cat([prompt[0], *continuation])  # [P + positions + 1]
-    out = model(input_ids=seq[None], output_hidden_states=True)
-    hidden = backbone_features(out.hidden_states, drafter.feature_layers)[0]  # [T, F]
-    drafter.start(Prefill(input_ids=seq[:prompt_len], hidden=hidden[:prompt_len], root=int(seq[prompt_len])))
-    times = []
-    for t in range(prompt_len, seq.numel() - 1):  # the root is seq[t]; the backbone's next token seq[t + 1]
-        start = clock(device)
-        draft = drafter.propose(int(seq[t]), positions)
-        times.append(clock(device) - start)
-        nxt = [int(seq[t + 1])]
-        drafter.observe(Outcome(draft=draft, nodes=torch.zeros(1, dtype=torch.long, device=device), tokens=nxt,
-                                hidden=hidden[t: t + 1], emitted=nxt))
+    seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2 * positions,
+                         min_new_tokens=2 * positions, do_sample=False)  # [1, P + 2 * positions]
+    hidden = backbone_features(model(seq, output_hidden_states=True).hidden_states, drafter.feature_layers)[0]
+    times = [seconds for t, _, seconds in drafts_along(drafter, seq[0], hidden, prompt_len)
+             if t < prompt_len + positions]
     return statistics.median(times)
 
 
