@@ -5,7 +5,9 @@ Every method runs on the same backbone, dtype, threads and prompts; per prompt t
 forward that yields one token), counted by a forward hook on the backbone, so peers and tokenmaxx are comparable.
 
 Output JSON shape (fixed): ``{"config", "machine", "methods": {name: {"overall": S, "categories": {cat: S}}}}`` with
-``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``. Per-prompt rows
+``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``; tokenmaxx methods add
+``accepted_share`` (accepted candidates per draft source), ``heads_round_share`` (rounds in which the heads proposed:
+the gate sits them out of the others) and ``ms_per_round`` (mean milliseconds of each decode phase). Per-prompt rows
 (``prompt_rows``) go to a separate jsonl, so that shape stays fixed.
 """
 
@@ -36,7 +38,7 @@ class Run:
     tokens: list[int]
     seconds: float
     forwards: int
-    sources: dict[str, int] | None = None  # tokenmaxx: accepted candidates per draft source
+    drafting: dict | None = None  # tokenmaxx: the generation's rounds, heads' rounds, phase seconds, accepted sources
 
 
 @dataclass
@@ -101,7 +103,10 @@ def hf_method(model, **generate_kwargs) -> Callable[[torch.Tensor, int], tuple[l
 def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int], dict]]:
     def run(input_ids, max_new_tokens):
         out = generator.generate(input_ids, max_new_tokens=max_new_tokens)
-        return out.new_tokens, dict(out.stats.accepted_by_source)
+        stats = out.stats
+        heads_rounds = 0 if generator.draft == "lookup" else stats.steps - stats.heads_skipped
+        return out.new_tokens, {"sources": dict(stats.accepted_by_source), "rounds": stats.steps,
+                                "heads_rounds": heads_rounds, "phase_seconds": dict(stats.phase_seconds)}
 
     return run
 
@@ -128,9 +133,9 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
             for name in order:
                 with ForwardCounter(model) as counter:
                     start = clock(device)
-                    tokens, sources = methods[name](input_ids, max_new_tokens)
+                    tokens, drafting = methods[name](input_ids, max_new_tokens)
                     seconds = clock(device) - start
-                results[name].runs[i] = Run(tokens, seconds, counter.count, sources)
+                results[name].runs[i] = Run(tokens, seconds, counter.count, drafting)
     return results
 
 
@@ -144,10 +149,17 @@ def _summary(runs: list[Run], base: list[Run]) -> dict:
            "tau": round(tokens / max(sum(r.forwards for r in runs), 1), 4),
            "identical_rate": round(sum(r.tokens == b.tokens for r, b in zip(runs, base)) / len(runs), 4),
            "prompts": len(runs)}
-    if runs and runs[0].sources is not None:  # extra key: share of accepted candidates per draft source
-        totals = {k: sum(r.sources[k] for r in runs) for k in runs[0].sources}
+    if runs and runs[0].drafting is not None:  # extra keys of tokenmaxx methods
+        # share of accepted candidates per draft source
+        totals = {k: sum(r.drafting["sources"][k] for r in runs) for k in runs[0].drafting["sources"]}
         accepted = sum(totals.values())
         out["accepted_share"] = {k: round(v / accepted, 4) if accepted else 0.0 for k, v in totals.items()}
+        # how often the heads proposed (the rest: the gate sat them out, or lookup-only drafting), and the mean
+        # milliseconds per round of each decode phase
+        rounds = sum(r.drafting["rounds"] for r in runs)
+        out["heads_round_share"] = round(sum(r.drafting["heads_rounds"] for r in runs) / rounds, 4) if rounds else 0.0
+        out["ms_per_round"] = {k: round(1000 * sum(r.drafting["phase_seconds"][k] for r in runs) / rounds, 3)
+                               if rounds else 0.0 for k in runs[0].drafting["phase_seconds"]}
     return out
 
 
@@ -178,8 +190,9 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
             row = {"question_id": prompt.question_id, "category": prompt.category, "method": name,
                    "tokens": len(run.tokens), "seconds": round(run.seconds, 4), "forwards": run.forwards,
                    "tau": round(len(run.tokens) / max(run.forwards, 1), 4), "identical": run.tokens == base[i].tokens}
-            if run.sources is not None:
-                row["accepted_by_source"] = run.sources
+            if run.drafting is not None:
+                row["accepted_by_source"] = run.drafting["sources"]
+                row["rounds"], row["heads_rounds"] = run.drafting["rounds"], run.drafting["heads_rounds"]
             rows.append(row)
     return rows
 
@@ -208,7 +221,18 @@ def markdown_table(report: dict) -> str:
         rows.append(f"| {name} | " + " | ".join(cells) +
                     f" | **{o['speedup']:.2f}x** ({o['tokens_per_s']:.1f} tok/s) | {o['tau']:.2f} | "
                     f"{o['identical_rate']:.0%} |")
-    return head + "\n".join(rows) + "\n\nCells: speedup vs baseline (tau = tokens per backbone forward).\n"
+    table = head + "\n".join(rows) + "\n\nCells: speedup vs baseline (tau = tokens per backbone forward).\n"
+    ours = {name: m["overall"] for name, m in methods.items() if "heads_round_share" in m["overall"]}
+    if ours:  # where a round's time went, per tokenmaxx method
+        table += ("\n| method | heads proposed in | propose | verify | accept | commit | accepted heads / lookup / both |"
+                  "\n|---|---|---|---|---|---|---|\n")
+        for name, o in ours.items():
+            ms, share = o["ms_per_round"], o["accepted_share"]
+            table += (f"| {name} | {o['heads_round_share']:.0%} of rounds | " +
+                      " | ".join(f"{ms[k]:.1f} ms" for k in ("propose", "verify", "accept", "commit")) +
+                      f" | {share['heads']:.0%} / {share['lookup']:.0%} / {share['both']:.0%} |\n")
+        table += "\nPer round of each tokenmaxx method (mean over its rounds).\n"
+    return table
 
 
 def plot(report: dict, path: str | Path) -> None:

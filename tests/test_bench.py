@@ -53,7 +53,7 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
     keys = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}
     for name, m in report["methods"].items():
         assert set(m) == {"overall", "categories"}
-        extra = {"accepted_share"} if name in ours else set()
+        extra = {"accepted_share", "heads_round_share", "ms_per_round"} if name in ours else set()
         assert set(m["overall"]) == keys | extra
         assert set(m["categories"]) == {"qa", "mt_bench"}
         for c in m["categories"].values():
@@ -72,6 +72,14 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
         assert sum(r["tokens"] for r in mine) == m["overall"]["tokens"]
         assert sum(r["identical"] for r in mine) / len(mine) == pytest.approx(m["overall"]["identical_rate"], abs=1e-4)
         assert all(("accepted_by_source" in r) == (name in ours) for r in mine)
+        if name in ours:  # rounds add up too: one backbone forward each, after the prefill
+            assert sum(r["rounds"] for r in mine) == sum(r["forwards"] - 1 for r in mine)
+            share = m["overall"]["heads_round_share"]
+            assert share == pytest.approx(sum(r["heads_rounds"] for r in mine) / sum(r["rounds"] for r in mine),
+                                          abs=1e-4)
+            assert (share == 0) == (name == "lookup"), (name, share)  # untrained heads ran in the first rounds
+            assert set(m["overall"]["ms_per_round"]) == {"propose", "verify", "accept", "commit"}
+    assert "heads proposed in" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
