@@ -4,7 +4,7 @@ Each node is valued by its estimated chance of being accepted: heads nodes by th
 against what this generation accepts, ``HeadsCalibration``), lookup nodes by the measured acceptance of branches with
 the same matched n-gram length and rank (``LookupReliability``). The most valuable nodes are kept, up to the budget
 that maximises expected tokens per second on this machine's verify latency (``share_budget``). Heads that stop paying
-for their proposing time sit rounds out (``HeadsGate``). ``HybridDrafter`` owns all of that state.
+for their proposing time and their nodes' verify time sit rounds out (``HeadsGate``). ``HybridDrafter`` owns all of that state.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from tokenmaxx.heads.drafting import HEADS, Draft, Outcome, Prefill
+from tokenmaxx.heads.drafting import HEADS, LOOKUP, Draft, Outcome, Prefill
 from tokenmaxx.heads.tree import TreeBuffers, compile_buffers
 
 from .latency import VerifyLatency, interpolate
@@ -106,26 +106,30 @@ class HeadsCalibration:
 
 @dataclass
 class HeadsGate:
-    """Whether the heads are worth running this round. Proposing costs time every round the heads run, accepted or not
-    (the shipped MTP heads, fp32 on a 2-core AVX2 EPYC: ~14 ms against a ~75 ms decode step); on text the lookup
-    branches copy (translation: 2 heads tokens accepted in ~170 rounds) or the heads guess badly, that is pure loss.
+    """Whether the heads are worth running this round. A round the heads run costs their proposing time and the verify
+    time of the nodes only they drafted, accepted or not (the shipped MTP heads, fp32 on a 2-core AVX2 EPYC: ~7 ms to
+    propose and ~5 ms a verified node, against a ~60 ms round of lookup alone); on text the lookup branches copy
+    (translation) or the heads guess badly, that is pure loss.
 
-    Keeps decayed means of the tokens only the heads drafted that each proposing round accepted (``rate``), and, over
-    all rounds, of the other tokens a round yields (accepted lookup tokens and the bonus token) and of its verify
-    seconds. The heads run while what they add pays for their proposing time ``cost``: rate >= cost x (other tokens
-    per round) / (seconds per round), i.e. tokens/s with them beats tokens/s without, and rate >= ``min_yield``.
-    Below that they sit out all but every ``explore_every``-th round, whose outcome keeps the estimate current.
-    Seconds come from the cached latency table and ``cost`` is a cached measurement (``latency.py``), never a clock
-    read: seeded sampling stays reproducible."""
+    Keeps decayed means of the tokens only the heads drafted that each proposing round accepted (``rate``) and of the
+    extra verify seconds their nodes cost in that round (``extra``: latency with them minus latency without), and,
+    over all rounds, of the other tokens a round yields (accepted lookup tokens and the bonus token) and of its verify
+    seconds without the heads' nodes. The heads run while what they add pays for what they cost:
+    rate >= (cost + extra) x (other tokens per round) / (seconds per round), i.e. tokens/s with them beats tokens/s
+    without, and rate >= ``min_yield``. Below that they sit out all but every ``explore_every``-th round, whose
+    outcome keeps the estimates current. Seconds come from the cached latency table and ``cost`` (one proposal) is a
+    cached measurement (``latency.py``), never a clock read: seeded sampling stays reproducible."""
 
     min_yield: float = 0.05
     explore_every: int = 8
     decay: float = 0.9
-    cost: float = 0.0  # seconds one proposal takes on this machine (0: only min_yield counts)
+    cost: float = 0.0  # seconds one proposal takes on this machine (0 and no extra: only min_yield counts)
     rate: float = 1.0  # decayed mean of heads-only accepted tokens per proposing round
+    extra: float = 0.0  # decayed mean of the verify seconds the heads-only nodes added to a proposing round
     other_tokens: float = 1.0  # decayed mean, per round, of the tokens not drafted by the heads alone (bonus included)
-    seconds: float = 0.0  # decayed mean of a round's verify seconds (0: no round seen yet)
+    seconds: float = 0.0  # decayed mean of a round's verify seconds without the heads-only nodes (0: none seen yet)
     _skipped: int = 0
+    _proposals: int = 0
 
     def __post_init__(self):
         if self.min_yield < 0 or self.explore_every < 1 or not 0 <= self.decay < 1 or self.cost < 0:
@@ -135,7 +139,7 @@ class HeadsGate:
     @property
     def threshold(self) -> float:
         """Heads-only accepted tokens per proposing round below which the heads sit out."""
-        pays = self.cost * self.other_tokens / self.seconds if self.seconds > 0 else 0.0
+        pays = (self.cost + self.extra) * self.other_tokens / self.seconds if self.seconds > 0 else 0.0
         return max(self.min_yield, pays)
 
     def propose(self) -> bool:
@@ -146,12 +150,17 @@ class HeadsGate:
         self._skipped += 1
         return False
 
-    def update(self, heads_only_accepted: int) -> None:
-        """After a round in which the heads proposed: how many accepted tokens only they had drafted."""
+    def update(self, heads_only_accepted: int, extra_seconds: float = 0.0) -> None:
+        """After a round in which the heads proposed: how many accepted tokens only they had drafted, and the verify
+        seconds their own nodes added to the round."""
         self.rate = self.decay * self.rate + (1 - self.decay) * heads_only_accepted
+        self.extra = extra_seconds if self._proposals == 0 else \
+            self.decay * self.extra + (1 - self.decay) * extra_seconds  # the first proposing round sets the mean
+        self._proposals += 1
 
     def record_round(self, other_tokens: int, seconds: float) -> None:
-        """After every round: the tokens it yielded that the heads alone did not draft, and its verify seconds."""
+        """After every round: the tokens it yielded that the heads alone did not draft, and its verify seconds without
+        the heads-only nodes."""
         if self.seconds == 0:  # the first round sets the means
             self.other_tokens, self.seconds = float(other_tokens), seconds
         else:
@@ -244,7 +253,7 @@ class HybridDrafter:
                  latency: VerifyLatency | None = None, lookup: bool = True, propose_cost: float | None = None):
         self.heads = heads_drafter
         # False: the heads' tree alone, sized per round by the same rule (heads drafting on a measured latency); no
-        # lookup branches; heads that do not earn their proposing time sit rounds out, which then verify the root alone
+        # lookup branches; heads that do not earn their proposing and verify time sit rounds out, which then verify the root alone
         # (a plain decode step)
         self.lookup = lookup
         self.propose_cost = propose_cost or 0.0
@@ -264,7 +273,8 @@ class HybridDrafter:
         self.gate = HeadsGate(self.config.heads_min_yield, self.config.heads_explore_every,
                               cost=self.propose_cost if self.latency is not None else 0.0)
         self.prefix_len = 0  # tokens in the backbone's cache (all but the root)
-        self._round: tuple[list, SharedTree] | None = None  # this round's branch estimates and shared tree
+        self._round: tuple[list, SharedTree, tuple[float, float]] | None = None  # branch estimates, shared tree,
+        # and verify seconds without / with the heads-only nodes
 
     def describe(self) -> str:
         return f"{self.heads.describe()} + prompt lookup" if self.lookup else f"{self.heads.describe()}, sized per round"
@@ -290,7 +300,13 @@ class HybridDrafter:
         shared = share_budget(own.tokens, own.buffers, own.values, branches,
                               [rel.values(len(b)) for rel, b in zip(rels, branches)], budget, latency,
                               self.calibration.scale, overhead=self.propose_cost if heads_ran else 0.0)
-        seconds = interpolate(latency, shared.tokens.numel()) if latency is not None else 0.0
+        # verify seconds of the round without and with the nodes only the heads drafted (the gate charges the
+        # difference to the heads)
+        if latency is not None:
+            without = 1 + int((shared.sources[1:] & LOOKUP).ne(0).sum())
+            seconds = (interpolate(latency, without), interpolate(latency, shared.tokens.numel()))
+        else:
+            seconds = (0.0, 0.0)
         self._round = (rels, shared, seconds)
         return Draft(tokens=shared.tokens, buffers=shared.buffers, sources=shared.sources, values=shared.values,
                      heads_ran=heads_ran)
@@ -306,9 +322,9 @@ class HybridDrafter:
         if outcome.draft.heads_ran:
             self.calibration.update(float(shared.heads_values[1:].sum()),
                                     sum(1 for src in path_sources if src & HEADS))
-            self.gate.update(heads_only)
+            self.gate.update(heads_only, seconds[1] - seconds[0])
         if self.latency is not None:
-            self.gate.record_round(len(outcome.tokens) - heads_only, seconds)
+            self.gate.record_round(len(outcome.tokens) - heads_only, seconds[0])
         if self.lookup:
             self.index.extend(outcome.emitted)
         self.prefix_len += outcome.nodes.numel()

@@ -31,7 +31,8 @@ class LookupConfig:
         "help": "hybrid: distinct continuations offered as branches (earlier occurrences of the matched n-gram)"})
     heads_min_yield: float = field(default=0.05, metadata={
         "help": "hybrid and sized heads-only drafting: heads whose proposals lately add fewer accepted tokens per "
-                "round than this, or than their proposing time is worth, sit out rounds (see HeadsGate)"})
+                "round than this, or than their proposing time and their nodes' verify time are worth, sit out rounds "
+                "(see HeadsGate)"})
     heads_explore_every: int = field(default=8, metadata={
         "help": "heads that sit out still propose every this many rounds, to notice when they pay again"})
 

@@ -131,24 +131,25 @@ def test_heads_gate_sits_out_unpaying_heads_and_explores():
         LookupConfig(heads_min_yield=-1)
 
 
-def test_heads_gate_bar_is_the_proposing_time_the_heads_must_earn():
-    """A proposal costing 15 ms, in rounds of 100 ms that yield 2 tokens without the heads (50 ms a token), must add
-    0.3 heads-only tokens a round: tokens/s with the heads, (2 + r) / 0.115, beats 2 / 0.1 exactly when r > 0.3."""
+def test_heads_gate_bar_is_what_the_heads_cost():
+    """A proposal costing 15 ms whose own nodes add 25 ms of verify time, in rounds of 100 ms that yield 2 tokens without
+    the heads (50 ms a token), must add 0.8 heads-only tokens a round: tokens/s with the heads, (2 + r) / 0.14, beats
+    2 / 0.1 exactly when r > 0.8."""
     from tokenmaxx.inference.hybrid import HeadsGate
 
     gate = HeadsGate(min_yield=0.05, explore_every=4, decay=0.5, cost=0.015)
     assert gate.threshold == 0.05  # no round seen yet: only min_yield
     gate.record_round(2, 0.1)
-    assert gate.threshold == pytest.approx(0.3)
-    gate.rate = 0.25
+    assert gate.threshold == pytest.approx(0.3)  # no proposing round yet: the proposing time alone
+    gate.update(1, 0.025)  # the first proposing round sets the extra verify time; rate 0.5 * 1 + 0.5 * 1 = 1
+    assert gate.extra == pytest.approx(0.025) and gate.threshold == pytest.approx(0.8) and gate.propose()
+    gate.rate = 0.7
     assert [gate.propose() for _ in range(4)] == [False, False, False, True]
-    gate.update(1)  # 0.5 * 0.25 + 0.5 * 1 = 0.625: pays again
-    assert gate.propose()
-    gate.record_round(6, 0.1)  # text the lookup copies: 4 tokens a round without the heads raise the bar to 0.6
+    gate.update(1, 0.005)  # rate 0.85; cheaper nodes (extra 0.015) lower the bar to 0.6
     assert gate.threshold == pytest.approx(0.6) and gate.propose()
-    gate.update(0)  # 0.3125
-    assert not gate.propose()
-    assert HeadsGate(min_yield=0.05, cost=0.0).threshold == 0.05  # free proposals: min_yield alone
+    gate.record_round(6, 0.1)  # text the lookup copies: 4 tokens a round without the heads raise the bar to 1.2
+    assert gate.threshold == pytest.approx(1.2) and not gate.propose()
+    assert HeadsGate(min_yield=0.05, cost=0.0).threshold == 0.05  # free proposals and nodes: min_yield alone
 
 
 def test_hybrid_with_heads_sitting_out_matches_greedy(model):
