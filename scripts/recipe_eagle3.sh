@@ -17,7 +17,8 @@
 #
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
 # train; default train; or stash), DEVICE (auto), DTYPE (the answers' dtype; default auto: bfloat16 on a GPU or a CPU
-# with native bf16, float32 on a CPU without; a part keeps the dtype it was started with), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
+# with native bf16, float32 on a CPU without; a part keeps the dtype it was started with), TRAIN_DTYPE (the training's
+# dtype, bfloat16 | float32; default the same rule: a CPU without native bf16 emulates it several times slower), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
 # RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
 # of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384), KIND (eagle3, or mtp: the same
 # data and recipe for the MTP kind, which learned faster on this backbone and made the shipped default heads;
@@ -138,9 +139,13 @@ for p in $(seq -f "%03g" 0 $((PARTS - 1))); do DONE+=("$KEPT/part-$p"); done
 
 # 4. train and export (--resume continues bit-identically from the newest checkpoint). 32 sequences a step in all:
 #    8 per micro-batch, 4 micro-batches spread over the NPROC processes.
+if [ -z "${TRAIN_DTYPE:-}" ]; then
+  TRAIN_DTYPE=$("$PY" -c "from tokenmaxx.heads.backbones import resolve_device, resolve_dtype
+print(str(resolve_dtype('auto', resolve_device('$DEVICE'))).removeprefix('torch.'))")
+fi
 RESUME=()
 if [ -f "$RUN/checkpoints/latest" ]; then RESUME=(--resume); fi
-ARGS=(--data "$MIX/merged" --backbone smollm2-135m --dtype bfloat16 --device "$DEVICE"
+ARGS=(--data "$MIX/merged" --backbone smollm2-135m --dtype "$TRAIN_DTYPE" --device "$DEVICE"
       --kind "$KIND" --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum $((4 / NPROC)) --epochs 3 --lr 1e-3
       --warmup 100 --loss ce --head_decay 0.8 --draft_vocab_size "$DRAFT_VOCAB" --loss_vocab draft
       --feature_cache "$RUN/features" --save_every 200 --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT"
