@@ -20,6 +20,23 @@ if "TOKENMAXX_TEST_DEVICE" in os.environ:  # scripts/gpu_check.sh: the fast tier
     OnTestDevice(TEST_DEVICE).__enter__()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cache_in_tmp(tmp_path_factory):
+    """The tests' tokenmaxx cache (``$TOKENMAXX_CACHE``) is a temp folder whose backbones/ is the user's: converted
+    real backbones are reused, while calibration records (latency, proposing cost, small rows, trees) of the tests'
+    tiny and real models are neither read stale from nor left behind in the user's cache."""
+    from tokenmaxx.heads.backbones import CACHE_ENV, cache_dir
+
+    backbones = cache_dir() / "backbones"
+    backbones.mkdir(parents=True, exist_ok=True)
+    root = tmp_path_factory.mktemp("tokenmaxx-cache")
+    (root / "backbones").symlink_to(backbones, target_is_directory=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv(CACHE_ENV, str(root))
+    yield root
+    patch.undo()
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def model(request):
     return tiny_model(request.param)
