@@ -26,6 +26,7 @@ from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, check_draft_mode, make_drafter
 from .latency import cached_latency, cached_propose_cost
 from .lookup import LookupConfig
 from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
+from .small_rows import cached_small_rows
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 
@@ -70,11 +71,14 @@ class SpeculativeGenerator:
     with a draft vocabulary guess over it. ``adaptive_budget``: the heads' and hybrid trees are sized per round from
     this machine's verify latency and the heads' proposing time (both measured once, cached): nodes that would not pay
     for their verify time are cut, and heads that would not pay for their proposing time sit rounds out.
+    ``small_row_linears``: on a CPU whose BLAS multiplies a few rows faster as ``(W @ x^T)^T`` (measured once per
+    backbone and machine, cached: ``small_rows.cached_small_rows``), tree verifies compute the backbone's linear
+    layers that way; False: always as the model does.
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree=None, strict_identity: bool = True,
                  draft: str = DEFAULT_DRAFT, lookup: LookupConfig | None = None, draft_vocab: bool = True,
-                 adaptive_budget: bool = True):
+                 adaptive_budget: bool = True, small_row_linears: bool = True):
         check_draft_mode(draft, heads)
         if isinstance(tree, str) and tree == "auto":
             raise ValueError("tree='auto' calibrates the tree on this machine: build the generator with "
@@ -88,7 +92,11 @@ class SpeculativeGenerator:
         # the heads' tree settings as their kind parses them (validated here, once); None when only lookup drafts
         self.tree_settings = heads.tree_settings(heads.config, tree) if draft != "lookup" else None
         self.attention = shared_kv_kwargs(model)  # tree verifies let SDPA share the KV heads where that applies
-        self.latency = cached_latency(model) if draft in NEEDS_HEADS and adaptive_budget else None
+        # verifies of up to this many nodes compute the linear layers as (W @ x^T)^T (0: never); measured before the
+        # latency table, which is then measured the same way
+        self.small_rows = cached_small_rows(model) if small_row_linears else 0
+        self.latency = cached_latency(model, small_rows=self.small_rows) \
+            if draft in NEEDS_HEADS and adaptive_budget else None
         self.propose_cost = cached_propose_cost(model, heads, self.tree_settings, draft_vocab) \
             if self.latency is not None else None
 
@@ -226,7 +234,7 @@ class SpeculativeGenerator:
         choose_root = (lambda logits: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
         new_tokens, stats = speculative_decode(self.model, self.make_drafter(), input_ids, max_new_tokens, accept,
                                                choose_root, eos_ids(config), streamer=streamer,
-                                               attention=self.attention)
+                                               attention=self.attention, small_rows=self.small_rows)
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)

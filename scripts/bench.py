@@ -52,7 +52,9 @@ class BenchArgs:
                 "medusa[:<tree>], mtp[:<tree>], medusa_hybrid, mtp_hybrid (the same with heads of that kind, to "
                 "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N], "
                 "dynamic:nodes=N,topk=K,depth=D,min_mass=M or auto (MTP); a method ending in @fixed verifies its "
-                "whole tree every round (default: trees are cut per round to the nodes worth their verify time)"})
+                "whole tree every round (default: trees are cut per round to the nodes worth their verify time); "
+                "@usual: verifies compute the linear layers as the model does (default: as measured fastest on this "
+                "CPU for a few rows)"})
     draft: str = field(default=DEFAULT_DRAFT, metadata={
         "help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
     limit: int | None = field(default=None, metadata={"help": "at most this many prompts per category"})
@@ -95,11 +97,20 @@ def tree_note(settings) -> dict | list | None:
     return asdict(settings) if dataclasses.is_dataclass(settings) else json.loads(settings.to_json())
 
 
-def tokenmaxx_method_spec(name: str, default_draft: str) -> tuple[str, str | None, str | None, bool] | None:
-    """A tokenmaxx method name -> (draft mode, head kind or None for --heads, tree spec or None, fixed); None for a
-    name that is not one. ``NAME[:TREE][@fixed]``: @fixed verifies whole trees every round (no per-round sizing)."""
-    fixed = name.endswith("@fixed")
-    base = name.removesuffix("@fixed")
+METHOD_FLAGS = ("@fixed", "@usual")
+
+
+def tokenmaxx_method_spec(name: str, default_draft: str) -> tuple[str, str | None, str | None, bool, bool] | None:
+    """A tokenmaxx method name -> (draft mode, head kind or None for --heads, tree spec or None, fixed, usual); None
+    for a name that is not one. ``NAME[:TREE][@fixed][@usual]``: @fixed verifies whole trees every round (no per-round
+    sizing); @usual verifies with the backbone's linear layers as the model computes them (``small_row_linears=False``,
+    to measure what the transposed small-row products are worth)."""
+    base, flags = name, set()
+    while base.endswith(METHOD_FLAGS):
+        flag = next(f for f in METHOD_FLAGS if base.endswith(f))
+        flags.add(flag)
+        base = base.removesuffix(flag)
+    fixed, usual = "@fixed" in flags, "@usual" in flags
     prefix, _, tree = base.partition(":")
     if prefix not in TOKENMAXX_METHODS:
         return None
@@ -108,7 +119,7 @@ def tokenmaxx_method_spec(name: str, default_draft: str) -> tuple[str, str | Non
     if fixed and draft == "lookup":
         raise ValueError(f"method {name!r}: lookup drafting has no heads' tree to keep whole; drop @fixed")
     kind = prefix.split("_")[0] if prefix.startswith(("medusa", "mtp")) else None
-    return draft, kind, tree or None, fixed
+    return draft, kind, tree or None, fixed, usual
 
 
 def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
@@ -133,17 +144,18 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                 continue
             methods["assisted"] = hf_method(model, assistant_model=draft_model)
         elif (method := tokenmaxx_method_spec(name, args.draft)) is not None:
-            draft, kind, tree, fixed = method
+            draft, kind, tree, fixed, usual = method
             spec = {None: args.heads, "medusa": args.medusa_heads, "mtp": args.mtp_heads}[kind]
             if (kind, spec) not in heads and draft != "lookup":
                 heads[kind, spec] = resolve_heads(spec, model, args.backbone, kind=kind)
             gen = SpeculativeGenerator.create(model, heads[kind, spec] if draft != "lookup" else None,
-                                              tokenizer=tokenizer, tree=tree, draft=draft, adaptive_budget=not fixed)
+                                              tokenizer=tokenizer, tree=tree, draft=draft, adaptive_budget=not fixed,
+                                              small_row_linears=not usual)
             notes[f"{name} tree"] = tree_note(gen.tree_settings)
             methods[name] = tokenmaxx_method(gen)
         else:
             raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, or one of "
-                             f"{TOKENMAXX_METHODS} (optionally :<tree>, @fixed)")
+                             f"{TOKENMAXX_METHODS} (optionally :<tree>, @fixed, @usual)")
     return methods, notes
 
 

@@ -206,14 +206,16 @@ def test_bench_prompts_are_required(tmp_path, capsys):
         assert exit_info.value.code == 2 and len(errors) == 1 and message in errors[0], errors
 
 
-def test_bench_method_names_give_draft_kind_tree_and_whole_tree_flag():
+def test_bench_method_names_give_draft_kind_tree_and_flags():
     spec = bench.tokenmaxx_method_spec
-    assert spec("mtp", "hybrid") == ("heads", "mtp", None, False)
-    assert spec("mtp:dynamic:16@fixed", "hybrid") == ("heads", "mtp", "dynamic:16", True)
-    assert spec("hybrid:/runs/a@b/tree.json", "heads") == ("hybrid", None, "/runs/a@b/tree.json", False)
-    assert spec("tokenmaxx@fixed", "heads") == ("heads", None, None, True)
-    assert spec("medusa_hybrid", "heads") == ("hybrid", "medusa", None, False)
-    assert spec("lookup", "hybrid") == ("lookup", None, None, False)
+    assert spec("mtp", "hybrid") == ("heads", "mtp", None, False, False)
+    assert spec("mtp:dynamic:16@fixed", "hybrid") == ("heads", "mtp", "dynamic:16", True, False)
+    assert spec("hybrid:/runs/a@b/tree.json", "heads") == ("hybrid", None, "/runs/a@b/tree.json", False, False)
+    assert spec("tokenmaxx@fixed", "heads") == ("heads", None, None, True, False)
+    assert spec("medusa_hybrid", "heads") == ("hybrid", "medusa", None, False, False)
+    assert spec("lookup", "hybrid") == ("lookup", None, None, False, False)
+    assert spec("lookup@usual", "hybrid") == ("lookup", None, None, False, True)
+    assert spec("mtp:dynamic:16@usual@fixed", "hybrid") == ("heads", "mtp", "dynamic:16", True, True)
     assert spec("baseline", "hybrid") is None and spec("mtp@whole", "hybrid") is None
     with pytest.raises(ValueError, match="lookup drafting has no heads' tree"):
         spec("lookup@fixed", "hybrid")
