@@ -71,9 +71,9 @@ class SpeculativeGenerator:
     with a draft vocabulary guess over it. ``adaptive_budget``: the heads' and hybrid trees are sized per round from
     this machine's verify latency and the heads' proposing time (both measured once, cached): nodes that would not pay
     for their verify time are cut, and heads that would not pay for their proposing time sit rounds out.
-    ``small_row_linears``: on a CPU whose BLAS multiplies a few rows faster as ``(W @ x^T)^T`` (measured once per
-    backbone and machine, cached: ``small_rows.cached_small_rows``), tree verifies compute the backbone's linear
-    layers that way; False: always as the model does.
+    ``small_row_linears``: on a CPU whose BLAS multiplies a few rows faster as ``(W @ x^T)^T`` (timed once per
+    backbone, machine and tree size, cached: ``small_rows.cached_small_rows``), verifies of the sizes that gained
+    compute the backbone's linear layers that way; False: always as the model does.
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree=None, strict_identity: bool = True,
@@ -92,9 +92,9 @@ class SpeculativeGenerator:
         # the heads' tree settings as their kind parses them (validated here, once); None when only lookup drafts
         self.tree_settings = heads.tree_settings(heads.config, tree) if draft != "lookup" else None
         self.attention = shared_kv_kwargs(model)  # tree verifies let SDPA share the KV heads where that applies
-        # verifies of up to this many nodes compute the linear layers as (W @ x^T)^T (0: never); measured before the
+        # the tree sizes whose verifies compute (some) linear layers as (W @ x^T)^T, and which; measured before the
         # latency table, which is then measured the same way
-        self.small_rows = cached_small_rows(model) if small_row_linears else 0
+        self.small_rows = cached_small_rows(model) if small_row_linears else {}
         self.latency = cached_latency(model, small_rows=self.small_rows) \
             if draft in NEEDS_HEADS and adaptive_budget else None
         self.propose_cost = cached_propose_cost(model, heads, self.tree_settings, draft_vocab) \

@@ -25,7 +25,7 @@ from tokenmaxx.heads import Outcome, Prefill, Tree, backbone_identity
 from tokenmaxx.heads.modeling import backbone_features
 
 from .calibration_store import CALIBRATION_VERSION, cache_path, calibration_key, machine_fingerprint, write_record
-from .small_rows import transposed_linears
+from .small_rows import Plan, plan_record, transposed_linears
 from .timing import clock
 
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -46,13 +46,13 @@ def interpolate(latency: dict[int, float], n: int) -> float:
 
 @torch.inference_mode()
 def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int = 256, repeats: int = 7,
-                    statistic: str = "min", small_rows: int = 0) -> dict[int, float]:
+                    statistic: str = "min", small_rows: Plan = 0) -> dict[int, float]:
     """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len``: per size, the ``statistic``
     ("min" or "median") over ``repeats`` rounds that each go through every size (a slow spell of a shared machine then
     hits all sizes alike). Raw and still noisy: ``fit_latency`` turns it into the table the search uses. Token ids
     are drawn on the CPU (the same on every device) and moved to the backbone's device before the clock starts;
-    the clock waits for the device (``timing.clock``). ``small_rows``: forwards of up to that many tokens compute the
-    linear layers as a verify does (``small_rows.transposed_linears``)."""
+    the clock waits for the device (``timing.clock``). ``small_rows``: the plan of the verifies (``small_rows``): each
+    forward computes the linear layers as a verify of its size does."""
     if statistic not in ("min", "median"):
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
     weight = model.get_output_embeddings().weight
@@ -130,7 +130,7 @@ class VerifyLatency:
 
 
 def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
-                   prefix_lens: Sequence[int] = (256, 1024), small_rows: int = 0) -> VerifyLatency:
+                   prefix_lens: Sequence[int] = (256, 1024), small_rows: Plan = 0) -> VerifyLatency:
     """The fitted verify latency (``fit_latency`` of the median ``measure_latency``) of this backbone on this machine
     at a few cache lengths, measured once and cached (~20 s on a 2-core CPU); ``small_rows``: as the verifies
     compute their linear layers (``small_rows.transposed_linears``), part of the cache key."""
@@ -138,8 +138,8 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
     shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
                                                           "vocab_size", "intermediate_size")}
     key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency", list(prefix_lens),
-                                     CALIBRATION_VERSION, "median", small_rows], sort_keys=True, default=str).encode()
-                         ).hexdigest()[:24]
+                                     CALIBRATION_VERSION, "median", plan_record(small_rows)], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:24]
     path = cache_path(f"latency-{key}", cache_root)
     if path.is_file() and not refresh:
         record = json.loads(path.read_text())

@@ -21,7 +21,7 @@ from tokenmaxx.heads.drafting import SOURCE_NAMES, Outcome, Prefill
 from tokenmaxx.heads.modeling import backbone_features
 
 from .decoding import Accepted, commit, verify
-from .small_rows import transposed_linears
+from .small_rows import Plan, transposed_linears
 from .timing import clock
 
 PHASES = ("propose", "verify", "accept", "commit")
@@ -89,12 +89,13 @@ def eos_ids(generation_config) -> set[int]:
 
 def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: int, accept: Accept,
                        choose_root: Callable[[torch.Tensor], int], eos: set[int], streamer=None,
-                       attention: dict | None = None, small_rows: int = 0) -> tuple[list[int], GenerationStats]:
+                       attention: dict | None = None, small_rows: Plan = 0) -> tuple[list[int], GenerationStats]:
     """Generate up to ``max_new_tokens`` after ``input_ids`` [1, P] (stopping after an EOS id); returns the new
     tokens and the statistics. ``choose_root`` picks the first token from the prefill's last logits [V];
-    ``attention``: forward keywords for the tree verify (``heads.attention.shared_kv_kwargs``); ``small_rows``: verifies
-    of up to this many nodes compute the linear layers as ``(W @ x^T)^T`` (``small_rows.cached_small_rows``). Runs on the backbone's
-    device (``input_ids`` is moved there); every time in the statistics waits for it first (``timing.clock``)."""
+    ``attention``: forward keywords for the tree verify (``heads.attention.shared_kv_kwargs``); ``small_rows``: the
+    tree sizes whose verifies compute (some) linear layers as ``(W @ x^T)^T`` (``small_rows.cached_small_rows``). Runs
+    on the backbone's device (``input_ids`` is moved there); every time in the statistics waits for it first
+    (``timing.clock``)."""
     device = model.get_output_embeddings().weight.device
     stats = GenerationStats()
     if streamer is not None:  # a streamer gets CPU tensors, as from model.generate

@@ -1,27 +1,32 @@
 """Tree verifies of a few tokens on a CPU: the backbone's linear layers as W @ x^T where the BLAS is faster that way.
 
-A verify forward multiplies every weight matrix by a handful of rows (2-8 tree nodes). On some CPU BLAS builds the
-ordinary ``x @ W^T`` of ``nn.Linear`` takes a path made for large batches at that size: SmolLM2-135M fp32 on a 2-core
-AVX2 EPYC (torch 2.13 MKL) verifies 2-4 tokens in ~82 ms against ~49 ms for one, while the same products computed
-as ``(W @ x^T)^T`` take ~62 ms (the 49,152 x 576 lm_head alone: 17.7 ms against 4.5 ms for 2 rows). Whether that
-holds depends on the BLAS and the CPU, so it is measured once per backbone and machine (``cached_small_rows``) and
-used only where it won; the products are the same up to float rounding (greedy output stays the backbone's: the
-tests check it token for token). Only this thread's verifies are affected (``transposed_linears``); the model's
-modules are left as they were afterwards.
+A verify forward multiplies every weight matrix by a handful of rows (the tree's nodes). On some CPU BLAS builds the
+ordinary ``x @ W^T`` of ``nn.Linear`` takes a path made for large batches at such sizes: SmolLM2-135M fp32 on a 2-core
+AVX2 EPYC (torch 2.13 MKL) verifies 2-4 tokens in ~84 ms against ~50 ms for one, while the same products computed as
+``(W @ x^T)^T`` take ~62 ms. Which way is faster depends on the BLAS, the CPU, the number of rows and the matrix (on
+that machine: at 6-8 rows only the 49,152 x 576 lm_head still gains, at 12 rows neither does, at 16 both do again), so
+the verify forward itself is timed once per backbone and machine for each tree size with the products transposed in
+the lm_head, in the other layers, in both or in neither (``cached_small_rows``), and each size uses what won. The
+products are the same up to float rounding (greedy output stays the backbone's: the tests check it token for token).
+Only this thread's verifies are affected (``transposed_linears``); the model's modules are left as they were after.
+
+A plan maps a number of rows to the layers whose products are transposed at that size: "all", "head" (the output
+embeddings) or "body" (every other ``nn.Linear``); sizes not in it are computed as usual. An int k stands for "all" at
+2..k rows (0: never).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
 import threading
-import types
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,50 +38,77 @@ from tokenmaxx.heads import backbone_identity
 from .calibration_store import CALIBRATION_VERSION, cache_path, machine_fingerprint, write_record
 from .timing import clock
 
-SMALL_ROW_SIZES = (2, 4, 6, 8)  # verify sizes the calibration compares (trees of up to 8 nodes are the common case)
-MIN_GAIN = 0.05  # the transposed products are used only where they were at least this much faster
+Plan = Union[int, Mapping[int, str]]  # rows -> "all" | "head" | "body" (or k: "all" at 2..k rows)
+PARTS = ("all", "head", "body")
 
+# tree sizes the calibration times (one forward of each per part and repeat: ~40 s for SmolLM2-135M on 2 cores); a
+# size between them is verified as usual, since neighbouring sizes can differ (above)
+SMALL_ROW_SIZES = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+MIN_GAIN = 0.05  # a size's verify is changed only where that was at least this much faster than the usual one
 
-_MAX_ROWS: ContextVar[int] = ContextVar("tokenmaxx_small_rows", default=0)  # this thread's setting (0: off)
+_PLAN: ContextVar[Mapping[int, str]] = ContextVar("tokenmaxx_small_rows", default={})  # this thread's plan
 _LOCK = threading.Lock()
 _ACTIVE: "weakref.WeakKeyDictionary[nn.Module, tuple[int, list[nn.Linear]]]" = weakref.WeakKeyDictionary()
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward``, except inside ``transposed_linears`` of this thread for 2..max_rows rows."""
-    max_rows = _MAX_ROWS.get()
-    rows = x.numel() // x.shape[-1] if max_rows >= 2 and x.shape[-1] else 0
-    if not 2 <= rows <= max_rows:
-        return F.linear(x, self.weight, self.bias)
-    out = (self.weight @ x.reshape(rows, x.shape[-1]).T).T  # [rows, out]
-    if self.bias is not None:
-        out = out + self.bias
-    return out.reshape(*x.shape[:-1], self.weight.shape[0])
+def as_plan(plan: Plan) -> dict[int, str]:
+    """``plan`` as a dict (an int k: "all" at 2..k rows), checked."""
+    if isinstance(plan, int):
+        return {n: "all" for n in range(2, plan + 1)}
+    bad = {n: part for n, part in plan.items() if part not in PARTS or n < 2}
+    if bad:
+        raise ValueError(f"a small-rows plan maps row counts >= 2 to one of {PARTS}; got {bad}")
+    return dict(plan)
+
+
+def plan_record(plan: Plan) -> list[list]:
+    """``plan`` as JSON: [rows, part] pairs, sorted."""
+    return sorted([n, part] for n, part in as_plan(plan).items())
+
+
+def _transposed(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as ``(W @ x^T)^T``."""
+    rows = x.numel() // x.shape[-1]
+    out = (weight @ x.reshape(rows, x.shape[-1]).T).T  # [rows, out]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _forward(module: nn.Linear, x: torch.Tensor, part: str) -> torch.Tensor:
+    """``nn.Linear.forward`` of ``module`` (of the ``part`` "head" or "body"), transposed where this thread's plan
+    says so for this many rows."""
+    plan = _PLAN.get()
+    if plan and x.shape[-1] and plan.get(x.numel() // x.shape[-1]) in ("all", part):
+        return _transposed(module.weight, module.bias, x)
+    return F.linear(x, module.weight, module.bias)
 
 
 @contextmanager
-def transposed_linears(model: nn.Module, max_rows: int, rows: int | None = None) -> Iterator[None]:
-    """Inside: every ``nn.Linear`` of ``model`` that this thread feeds 2..``max_rows`` rows computes ``(W @ x^T)^T``
-    (other sizes, other threads, and ``max_rows`` < 2: as usual). The modules get their forward while at least one
-    thread is inside (the setting itself is per thread, a ``ContextVar``: a generator serving several threads, or
-    plain ``generate`` beside it, is not affected) and have their own back once the last one leaves, also after an
-    exception. ``rows``: how many rows the forward inside feeds, where known; outside 2..``max_rows`` nothing is
-    installed at all (a verify of one token or of a large tree pays nothing for the check)."""
-    if max_rows < 2 or (rows is not None and not 2 <= rows <= max_rows):
+def transposed_linears(model: nn.Module, plan: Plan, rows: int | None = None) -> Iterator[None]:
+    """Inside: each ``nn.Linear`` of ``model`` that this thread feeds a number of rows the ``plan`` names, and that is
+    of the part it names, computes ``(W @ x^T)^T`` (other sizes, other threads, and an empty plan: as usual). The
+    modules get their forward while at least one thread is inside (the plan itself is per thread, a ``ContextVar``: a
+    generator serving several threads, or plain ``generate`` beside it, is not affected) and have their own back once
+    the last one leaves, also after an exception. ``rows``: how many rows the forward inside feeds, where known; a
+    size the plan does not name installs nothing at all (a verify of one token or of a large tree pays nothing)."""
+    plan = as_plan(plan)
+    if not plan or (rows is not None and rows not in plan):
         yield
         return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     with _LOCK:
         users, patched = _ACTIVE.get(model, (0, None))
         if patched is None:
             patched = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
             for module in patched:
-                module.forward = types.MethodType(_forward, module)
+                module.forward = functools.partial(_forward, module, part="head" if module is head else "body")
         _ACTIVE[model] = (users + 1, patched)
-    token = _MAX_ROWS.set(max_rows)
+    token = _PLAN.set(plan)
     try:
         yield
     finally:
-        _MAX_ROWS.reset(token)
+        _PLAN.reset(token)
         with _LOCK:
             users, patched = _ACTIVE[model]
             if users == 1:
@@ -89,9 +121,9 @@ def transposed_linears(model: nn.Module, max_rows: int, rows: int | None = None)
 
 @torch.inference_mode()
 def measure_small_rows(model, sizes: Sequence[int] = SMALL_ROW_SIZES, prefix_len: int = 256,
-                       repeats: int = 7) -> dict[int, tuple[float, float]]:
-    """Median seconds of one forward of n tokens over ``prefix_len`` cached tokens, as usual and with
-    ``transposed_linears``, interleaved (a slow spell of a shared machine hits both alike): {n: (usual, transposed)}."""
+                       repeats: int = 7) -> dict[int, dict[str, float]]:
+    """Median seconds of one forward of n tokens over ``prefix_len`` cached tokens as usual and with the products of
+    each part transposed, interleaved (a slow spell of a shared machine hits all alike): {n: {"usual"|part: s}}."""
     weight = model.get_output_embeddings().weight
     vocab, device = weight.shape[0], weight.device
     context = getattr(model.config, "max_position_embeddings", None)
@@ -101,49 +133,46 @@ def measure_small_rows(model, sizes: Sequence[int] = SMALL_ROW_SIZES, prefix_len
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen).to(device), past_key_values=cache,
           use_cache=True)
-    times: dict[tuple[int, bool], list[float]] = {(n, t): [] for n in sizes for t in (False, True)}
-    for _ in range(repeats + 1):  # the first round warms both paths up and is dropped
+    ways = ("usual",) + PARTS
+    times: dict[tuple[int, str], list[float]] = {(n, w): [] for n in sizes for w in ways}
+    for _ in range(repeats + 1):  # the first round warms every path up and is dropped
         for n in sizes:
             ids = torch.randint(vocab, (1, n), generator=gen).to(device)  # [1, n]
-            for transposed in (False, True):
-                with transposed_linears(model, max(sizes) if transposed else 0):
+            for way in ways:
+                with transposed_linears(model, {n: way} if way != "usual" else {}):
                     start = clock(device)
-                    model(input_ids=ids, past_key_values=cache, use_cache=True)
-                    times[(n, transposed)].append(clock(device) - start)
+                    model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+                    times[(n, way)].append(clock(device) - start)
                 cache.crop(-n)
-    return {n: (statistics.median(times[(n, False)][1:]), statistics.median(times[(n, True)][1:])) for n in sizes}
+    return {n: {w: statistics.median(times[(n, w)][1:]) for w in ways} for n in sizes}
 
 
-def choose_small_rows(measured: dict[int, tuple[float, float]], min_gain: float = MIN_GAIN) -> int:
-    """The largest measured n such that the transposed products were at least ``min_gain`` faster at every measured
-    size up to n (0: never)."""
-    best = 0
-    for n in sorted(measured):
-        usual, transposed = measured[n]
-        if transposed > (1 - min_gain) * usual:
-            break
-        best = n
-    return best
+def choose_small_rows(measured: Mapping[int, Mapping[str, float]], min_gain: float = MIN_GAIN) -> dict[int, str]:
+    """Per measured size, the fastest part to transpose, where it was at least ``min_gain`` faster than usual."""
+    plan = {}
+    for n, seconds in measured.items():
+        part = min(PARTS, key=lambda p: seconds[p])
+        if seconds[part] <= (1 - min_gain) * seconds["usual"]:
+            plan[n] = part
+    return plan
 
 
-def cached_small_rows(model, cache_root: Path | None = None, refresh: bool = False) -> int:
-    """Up to how many rows a verify on this machine computes the backbone's linear layers as ``(W @ x^T)^T``
-    (``choose_small_rows`` of ``measure_small_rows``), measured once per backbone and machine and cached (~5 s on a
-    2-core CPU; 0 on a GPU without measuring: its kernels have no such gap). A cached number, so a seeded generation
-    computes the same logits every time."""
+def cached_small_rows(model, cache_root: Path | None = None, refresh: bool = False) -> dict[int, str]:
+    """This machine's plan for the backbone's verifies (``choose_small_rows`` of ``measure_small_rows``), measured once
+    per backbone and machine and cached; empty on a GPU without measuring (its kernels have no such gap). A cached
+    plan, so a seeded generation computes the same logits every time."""
     weight = model.get_output_embeddings().weight
     if weight.device.type != "cpu":
-        return 0
+        return {}
     machine = machine_fingerprint(model)
     shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
                                                           "vocab_size", "intermediate_size")}
-    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "small_rows", CALIBRATION_VERSION],
-                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "small_rows", SMALL_ROW_SIZES,
+                                     CALIBRATION_VERSION], sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = cache_path(f"small-rows-{key}", cache_root)
     if path.is_file() and not refresh:
-        return int(json.loads(path.read_text())["max_rows"])
+        return {int(n): part for n, part in json.loads(path.read_text())["plan"]}
     measured = measure_small_rows(model)
-    max_rows = choose_small_rows(measured)
-    write_record(path, {"max_rows": max_rows, "measured": {n: list(t) for n, t in measured.items()},
-                        "machine": machine})
-    return max_rows
+    plan = choose_small_rows(measured)
+    write_record(path, {"plan": plan_record(plan), "measured": measured, "machine": machine})
+    return plan

@@ -24,6 +24,7 @@ from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator
 from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
                                            run_benchmark, summarize, tokenmaxx_method)
+from tokenmaxx.inference.small_rows import plan_record
 from tokenmaxx.scripts.errors import parse_flags, run_script
 
 TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
@@ -152,6 +153,8 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                                               tokenizer=tokenizer, tree=tree, draft=draft, adaptive_budget=not fixed,
                                               small_row_linears=not usual)
             notes[f"{name} tree"] = tree_note(gen.tree_settings)
+            if gen.small_rows:
+                notes[f"{name} small rows"] = plan_record(gen.small_rows)
             methods[name] = tokenmaxx_method(gen)
         else:
             raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, or one of "

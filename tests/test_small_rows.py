@@ -47,40 +47,71 @@ def test_transposed_linears_give_the_same_products_and_leave_the_modules_as_they
     assert "forward" not in layer.__dict__  # restored after an exception too
     with transposed_linears(layer, 0):  # off: nothing patched
         assert "forward" not in layer.__dict__
-    for rows, patched in ((1, False), (2, True), (8, True), (9, False)):  # a forward of known size outside 2..8
-        with transposed_linears(layer, 8, rows=rows):  # installs nothing
+    for rows, patched in ((1, False), (2, True), (8, True), (9, False)):  # a forward of a known size the plan does
+        with transposed_linears(layer, 8, rows=rows):  # not name installs nothing
             assert ("forward" in layer.__dict__) is patched
+    with pytest.raises(ValueError, match=r"a small-rows plan maps row counts >= 2 to one of \('all', 'head', 'body'\); "
+                       r"got \{3: 'lm_head'\}"):
+        with transposed_linears(layer, {2: "all", 3: "lm_head"}):
+            pass
+    assert "forward" not in layer.__dict__
 
 
-def test_choose_small_rows_keeps_the_sizes_that_won():
-    assert choose_small_rows({2: (0.08, 0.06), 4: (0.08, 0.06), 8: (0.08, 0.079)}) == 4
-    assert choose_small_rows({2: (0.08, 0.06), 4: (0.08, 0.081), 8: (0.08, 0.05)}) == 2  # contiguous from 2 only
-    assert choose_small_rows({2: (0.08, 0.078), 4: (0.08, 0.05)}) == 0  # 2.5% is under the 5% bar
-    assert choose_small_rows({2: (1.0, 0.5), 4: (1.0, 0.5), 8: (1.0, 0.5)}) == 8
+def test_a_plan_transposes_only_the_part_it_names_at_the_sizes_it_names(model, monkeypatch):
+    """{n: "head"} transposes the lm_head's product alone at n rows, {n: "body"} every other layer's, and other sizes
+    nothing: seen by which modules' products go the transposed way."""
+    head = model.get_output_embeddings()
+    seen = []
+    real = small_rows_module._transposed
+    monkeypatch.setattr(small_rows_module, "_transposed",
+                        lambda w, b, x: seen.append(w is head.weight) or real(w, b, x))
+    ids = torch.randint(4, model.config.vocab_size, (1, 3))
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    expected = {"head": [True], "body": [False] * (linears - 1), "all": [False] * (linears - 1) + [True]}
+    with torch.no_grad():
+        for part, calls in expected.items():
+            seen.clear()
+            with transposed_linears(model, {3: part, 5: "all"}):
+                model(input_ids=ids)
+                assert seen == calls
+                seen.clear()
+                model(input_ids=ids[:, :2])  # 2 rows: not in the plan
+                assert seen == []
+
+
+def times(usual, all_, head, body):
+    return {"usual": usual, "all": all_, "head": head, "body": body}
+
+
+def test_choose_small_rows_keeps_the_fastest_part_per_size_where_it_won():
+    measured = {2: times(0.08, 0.06, 0.07, 0.07), 4: times(0.08, 0.07, 0.06, 0.09), 8: times(0.08, 0.079, 0.08, 0.077),
+                12: times(0.09, 0.1, 0.1, 0.1), 16: times(0.1, 0.09, 0.095, 0.085)}
+    # 8: 3.75% is under the 5% bar; 12: nothing won
+    assert choose_small_rows(measured) == {2: "all", 4: "head", 16: "body"}
+    assert choose_small_rows(measured, min_gain=0.0) == {2: "all", 4: "head", 8: "body", 16: "body"}
 
 
 @pytest.mark.parametrize("draft", ["heads", "hybrid", "lookup"])
 def test_greedy_output_is_the_backbones_with_transposed_verifies(model, draft, monkeypatch):
     transposed_rows = []
-    usual = small_rows_module._forward
+    real = small_rows_module._transposed
 
-    def counting(self, x):  # the verifies really go through the transposed products
-        rows = x.numel() // x.shape[-1]
-        transposed_rows.append(rows if 2 <= rows <= small_rows_module._MAX_ROWS.get() else 0)
-        return usual(self, x)
+    def counting(weight, bias, x):  # the verifies really go through the transposed products
+        transposed_rows.append(x.numel() // x.shape[-1])
+        return real(weight, bias, x)
 
-    monkeypatch.setattr(small_rows_module, "_forward", counting)
+    monkeypatch.setattr(small_rows_module, "_transposed", counting)
     heads = random_mtp(model) if draft != "lookup" else None
     tree = "dynamic:nodes=6,topk=3,min_mass=0" if heads is not None else None  # random heads: keep their nodes
     gen = SpeculativeGenerator(model, heads, tree=tree, draft=draft, adaptive_budget=False, small_row_linears=False)
-    assert gen.small_rows == 0
-    gen.small_rows = 8  # whatever this machine measured
+    assert not gen.small_rows
+    gen.small_rows = {n: ("all", "head", "body")[n % 3] for n in range(2, 9)}  # whatever this machine measured
     assert_matches_greedy(gen, model, 3, seed=11)
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # lookup finds continuations in it
     assert gen.generate(ids, max_new_tokens=16).sequences.tolist() == greedy_reference(model, ids, 16).tolist()
     assert any(transposed_rows)
     medusa = SpeculativeGenerator(model, random_heads(model), tree="chain:3", draft="heads", small_row_linears=False)
-    medusa.small_rows = 8
+    medusa.small_rows = {n: "all" for n in range(2, 9)}
     transposed_rows.clear()
     assert_matches_greedy(medusa, model, 2, seed=12)
     assert any(transposed_rows)
@@ -91,12 +122,14 @@ def test_small_rows_are_measured_once_per_machine(model, tmp_path, monkeypatch):
 
     def fake_measure(m):
         calls.append(m)
-        return {2: (0.08, 0.06), 4: (0.08, 0.07), 8: (0.08, 0.09)}
+        return {2: times(0.08, 0.06, 0.07, 0.07), 4: times(0.08, 0.07, 0.06, 0.09), 8: times(0.08, 0.09, 0.09, 0.09)}
 
     monkeypatch.setattr(small_rows_module, "measure_small_rows", fake_measure)
-    assert cached_small_rows(model, cache_root=tmp_path) == 4
-    assert cached_small_rows(model, cache_root=tmp_path) == 4 and len(calls) == 1  # read back, not measured again
-    assert cached_small_rows(model, cache_root=tmp_path, refresh=True) == 4 and len(calls) == 2
+    plan = {2: "all", 4: "head"}
+    assert cached_small_rows(model, cache_root=tmp_path) == plan
+    assert cached_small_rows(model, cache_root=tmp_path) == plan and len(calls) == 1  # read back, not measured again
+    assert cached_small_rows(model, cache_root=tmp_path, refresh=True) == plan and len(calls) == 2
     monkeypatch.undo()
     real = small_rows_module.measure_small_rows(model, sizes=(2, 4), repeats=2)  # the real thing, on the tiny model
-    assert set(real) == {2, 4} and all(a > 0 and b > 0 for a, b in real.values())
+    assert set(real) == {2, 4} and all(set(t) == {"usual", "all", "head", "body"} and min(t.values()) > 0
+                                       for t in real.values())
