@@ -37,6 +37,7 @@ from .decoding import accept_greedy
 from .drafting import make_drafter
 from .latency import LATENCY_SIZES, drafts_along, fit_latency, measure_latency
 from .loop import eos_ids, greedy_root, speculative_decode
+from .small_rows import Plan, as_plan, plan_record
 from .tree_search import choose_tree, ordered_paths_from_ranks
 
 # Generic calibration prompts (never benchmark prompts): a mix of chat, code, math, rewriting and summarising.
@@ -115,9 +116,12 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) ->
 
 
 def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | None = None,
-              refresh: bool = False) -> Tree:
-    """Calibrate (or read the cached calibration) and return the tree with the best expected tokens/s."""
+              refresh: bool = False, small_rows: Plan = 0) -> Tree:
+    """Calibrate (or read the cached calibration) and return the tree with the best expected tokens/s. ``small_rows``:
+    the verifies' small-row plan (``small_rows.cached_small_rows``): the latency is measured as they will run."""
     machine = machine_fingerprint(model)
+    if small_rows:
+        machine = {**machine, "small_rows": plan_record(small_rows)}
     path = cache_path(calibration_key(model, heads, machine), cache_root)
     if path.is_file() and not refresh:
         record = json.loads(path.read_text())
@@ -126,8 +130,9 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
         return tree
     start = time.perf_counter()
     ranks = calibrate_ranks(model, heads, tokenizer)
-    measured = measure_latency(model)
-    latency = fit_latency(measured)
+    planned = set(as_plan(small_rows))  # sizes the plan verifies another way (``fit_latency``'s exact sizes)
+    measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | planned), small_rows=small_rows)
+    latency = fit_latency(measured, exact=planned)
     overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]))
     tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
                               max_depth=heads.config.num_heads)
@@ -175,13 +180,16 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     return {n: totals[n] / max(positions, 1) for n in budgets}, propose_s / max(positions, 1)
 
 
-def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None = None, refresh: bool = False):
+def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None = None, refresh: bool = False,
+                 small_rows: Plan = 0):
     """The dynamic-tree node budget with the best expected tokens/s on this machine (cached like ``auto_tree``):
     argmax over budgets n of tau(n) / (verify latency(n) + overhead(n)), where tau(n) comes from drafting along the
     backbone's own continuations and overhead(n) (drafting, acceptance, cache commit) from short generations with
     budget n (``timed_overheads``: only of the budgets that can still win)."""
     config = config or DynamicTreeConfig()
     machine = machine_fingerprint(model)
+    if small_rows:  # the verifies' small-row plan: the latency is measured as they will run
+        machine = {**machine, "small_rows": plan_record(small_rows)}
     key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth, config.min_mass]})
     path = cache_path(key, cache_root)
     if path.is_file() and not refresh:
@@ -192,8 +200,9 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
         return chosen
     start = time.perf_counter()
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
-    measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus)))
-    latency = fit_latency(measured)
+    planned = set(as_plan(small_rows))  # sizes the plan verifies another way (``fit_latency``'s exact sizes)
+    measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus) | planned), small_rows=small_rows)
+    latency = fit_latency(measured, exact=planned)
     # drafting cost grows with the budget (more levels survive the pruning): keep the overhead curve never decreasing,
     # as the latency's (a larger budget never drafts less; dips are noise)
     measured_loop, untimed = timed_overheads(model, heads, tokenizer, config, taus, latency)
@@ -265,26 +274,27 @@ def _say(message: str) -> None:
 
 # ---- tree="auto": the calibration that fits the heads' kind ---------------------------------------------------------
 @functools.singledispatch
-def _calibrate(settings, model, heads, tokenizer):
+def _calibrate(settings, model, heads, tokenizer, small_rows):
     raise ValueError(f"tree='auto' cannot calibrate tree settings of type {type(settings).__name__} "
                      f"(heads of kind {heads.config.kind!r})")
 
 
 @_calibrate.register
-def _(settings: Tree, model, heads, tokenizer) -> Tree:
-    return auto_tree(model, heads, tokenizer)
+def _(settings: Tree, model, heads, tokenizer, small_rows) -> Tree:
+    return auto_tree(model, heads, tokenizer, small_rows=small_rows)
 
 
 @_calibrate.register
-def _(settings: DynamicTreeConfig, model, heads, tokenizer) -> DynamicTreeConfig:
-    return auto_dynamic(model, heads, tokenizer, settings)
+def _(settings: DynamicTreeConfig, model, heads, tokenizer, small_rows) -> DynamicTreeConfig:
+    return auto_dynamic(model, heads, tokenizer, settings, small_rows=small_rows)
 
 
-def resolve_auto(model, heads, tokenizer):
-    """The heads' tree settings chosen for this machine (calibrated once, then read from the cache)."""
+def resolve_auto(model, heads, tokenizer, small_rows: Plan = 0):
+    """The heads' tree settings chosen for this machine (calibrated once, then read from the cache); ``small_rows``:
+    the verifies' small-row plan (``small_rows.cached_small_rows``)."""
     if tokenizer is None:
         raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
-    return _calibrate(heads.tree_settings(heads.config), model, heads, tokenizer)
+    return _calibrate(heads.tree_settings(heads.config), model, heads, tokenizer, small_rows)
 
 
 def _chat_ids(tokenizer, text: str, device: torch.device) -> torch.Tensor:

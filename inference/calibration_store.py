@@ -18,8 +18,9 @@ import torch
 
 from tokenmaxx.heads import backbone_identity, cache_dir
 
-CALIBRATION_VERSION = 5  # bumped when the calibration method, what it times or the key changes (4: GQA verify; 5: the
-# CPU's vector ISA in the key), so stale cached choices and latency tables are not reused
+CALIBRATION_VERSION = 6  # bumped when the calibration method, what it times or the key changes (4: GQA verify; 5: the
+# CPU's vector ISA in the key; 6: verifies computed as the small-row plan says, whose sizes the tables hold exactly),
+# so stale cached choices and latency tables are not reused
 
 
 def cache_path(key: str, cache_root: Path | None) -> Path:

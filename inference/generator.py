@@ -109,7 +109,8 @@ class SpeculativeGenerator:
                 raise ValueError("tree='auto' tunes the heads' trees: pass heads (or draft='lookup' without a tree)")
             heads.check_backbone(model, strict_identity=kwargs.get("strict_identity", True))
             heads = _on_backbone(heads, model)
-            tree = resolve_auto(model, heads, tokenizer)
+            small_rows = cached_small_rows(model) if kwargs.get("small_row_linears", True) else {}
+            tree = resolve_auto(model, heads, tokenizer, small_rows)
         return cls(model, heads, tokenizer=tokenizer, tree=tree, **kwargs)
 
     @classmethod

@@ -322,7 +322,9 @@ class HybridDrafter:
         if outcome.draft.heads_ran:
             self.calibration.update(float(shared.heads_values[1:].sum()),
                                     sum(1 for src in path_sources if src & HEADS))
-            self.gate.update(heads_only, seconds[1] - seconds[0])
+            # (never below 0: with a small-row plan a larger tree can verify faster than a smaller one, which is no
+            # earning of the heads)
+            self.gate.update(heads_only, max(0.0, seconds[1] - seconds[0]))
         if self.latency is not None:
             self.gate.record_round(len(outcome.tokens) - heads_only, seconds[0])
         if self.lookup:

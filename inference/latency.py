@@ -16,16 +16,17 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Iterable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from tokenmaxx.heads import Outcome, Prefill, Tree, backbone_identity
 from tokenmaxx.heads.modeling import backbone_features
 
 from .calibration_store import CALIBRATION_VERSION, cache_path, calibration_key, machine_fingerprint, write_record
-from .small_rows import Plan, plan_record, transposed_linears
+from .small_rows import Plan, as_plan, plan_record, transposed_linears
 from .timing import clock
 
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -65,7 +66,8 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
     prompt = torch.randint(vocab, (1, prefix_len), generator=gen, device="cpu").to(device)  # [1, P]
     model(input_ids=prompt, past_key_values=cache, use_cache=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats):
+    for _ in tqdm(range(repeats), desc=f"timing verifies of {min(sizes)}-{max(sizes)} tokens on this machine (once)",
+                  unit="round", leave=False):
         for n in sizes:
             ids = torch.randint(vocab, (1, n), generator=gen, device="cpu").to(device)  # [1, n]
             with transposed_linears(model, small_rows, rows=n):
@@ -77,15 +79,33 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
     return {n: pick(ts) for n, ts in times.items()}
 
 
-def fit_latency(measured: dict[int, float]) -> dict[int, float]:
+def fit_latency(measured: dict[int, float], exact: Collection[int] = ()) -> dict[int, float]:
     """The measured latencies smoothed into a curve that never decreases in n: one token as measured (attention runs
     a cheaper unmasked path for a single query, markedly so over a long cache), and from two tokens on a flat-then-
     linear ``a + b * max(0, n - knee)`` with b >= 0, fitted by least squares (the knee is the measured size that fits
     best). Forward cost is flat while the hardware has idle lanes and then grows with the tokens; a raw table instead
     carries the machine's noise (on a shared 2-core CPU one run measured 12 tokens faster than 1), which would tell
-    the tree search that extra nodes are free. Returns the curve at the measured sizes."""
+    the tree search that extra nodes are free. Returns the curve at the measured sizes.
+
+    ``exact``: sizes whose forwards take another, faster path (the verifies' small-row plan, ``small_rows``): they are
+    left out of the curve and kept as measured where that is below it, and the table then holds every size from 1 to
+    the largest measured (the others from the curve), so a search over node counts sees the dips at exactly those
+    sizes and not a line drawn through them (which under-priced the sizes between)."""
+    exact = {n for n in exact if n in measured and n >= 2}
+    if len([n for n in measured if n >= 2 and n not in exact]) < 2:
+        exact = set()  # too few other sizes for a curve: one curve through all
+    if not exact:
+        return _fit_curve(measured, sorted(measured))
+    table = _fit_curve({n: s for n, s in measured.items() if n not in exact}, range(1, max(measured) + 1))
+    for n in exact:
+        table[n] = min(measured[n], table[n])
+    return table
+
+
+def _fit_curve(measured: dict[int, float], at: Iterable[int]) -> dict[int, float]:
+    """``fit_latency``'s curve through ``measured`` (no exact sizes), at the sizes ``at`` (1 only where measured)."""
     sizes = sorted(n for n in measured if n >= 2)
-    out = {n: measured[n] for n in sizes}  # too few sizes to fit a curve: as measured
+    fitted: tuple[float, float, int] | None = None  # (a, b, knee); None: too few sizes to fit, as measured
     if len(sizes) >= 2:
         ys = [measured[n] for n in sizes]
         mean_y = sum(ys) / len(ys)
@@ -99,10 +119,16 @@ def fit_latency(measured: dict[int, float]) -> dict[int, float]:
             error = sum((a + b * x - y) ** 2 for x, y in zip(xs, ys))
             if error < best[0]:
                 best = (error, a, b, knee)
-        _, a, b, knee = best
-        out = {n: a + b * max(0, n - knee) for n in sizes}
+        fitted = best[1:]
+
+    def curve(n: int) -> float:
+        if fitted is None:
+            return measured[n]
+        a, b, knee = fitted
+        return a + b * max(0, n - knee)
+    out = {n: curve(n) for n in at if n >= 2}
     if 1 in measured:
-        out[1] = min(measured[1], out[sizes[0]]) if sizes else measured[1]
+        out[1] = min(measured[1], curve(sizes[0])) if sizes else measured[1]
     return dict(sorted(out.items()))
 
 
@@ -122,11 +148,8 @@ class VerifyLatency:
         hi = next((length for length in lengths if length >= prefix_len), lengths[-1])
         lo = lengths[lengths.index(hi) - 1]
         w = (prefix_len - lo) / (hi - lo)
-        table, floor = {}, 0.0
-        for n in sorted(self.tables[lo]):
-            floor = max(floor, (1 - w) * self.tables[lo][n] + w * self.tables[hi][n])
-            table[n] = floor
-        return table
+        # a blend of never-decreasing tables never decreases; a table with the dips of a small-row plan keeps them
+        return {n: (1 - w) * self.tables[lo][n] + w * self.tables[hi][n] for n in sorted(self.tables[lo])}
 
 
 def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
@@ -149,8 +172,11 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
     # the median, not the best case: in the decode loop a multi-token forward runs ~15 ms over a single token's at the
     # median (SmolLM2 bf16, 2 shared cores) while the minima differ by ~4 ms; sized on minima, hybrid trees came out
     # too big (held-out summarization 1.53x with minima vs 1.76x with medians, one interleaved run)
-    measured = {p: measure_latency(model, prefix_len=p, statistic="median", small_rows=small_rows) for p in lengths}
-    tables = {p: fit_latency(m) for p, m in measured.items()}
+    planned = set(as_plan(small_rows))  # sizes the plan verifies another way: measured each, kept as measured
+    sizes = sorted(set(LATENCY_SIZES) | planned)
+    measured = {p: measure_latency(model, sizes=sizes, prefix_len=p, statistic="median", small_rows=small_rows)
+                for p in lengths}
+    tables = {p: fit_latency(m, exact=planned) for p, m in measured.items()}
     write_record(path, {"tables": tables, "measured": measured, "machine": machine})
     return VerifyLatency(tables)
 

@@ -31,6 +31,7 @@ from typing import Iterator, Mapping, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from tokenmaxx.heads import backbone_identity
@@ -135,7 +136,9 @@ def measure_small_rows(model, sizes: Sequence[int] = SMALL_ROW_SIZES, prefix_len
           use_cache=True)
     ways = ("usual",) + PARTS
     times: dict[tuple[int, str], list[float]] = {(n, w): [] for n in sizes for w in ways}
-    for _ in range(repeats + 1):  # the first round warms every path up and is dropped
+    rounds = tqdm(range(repeats + 1), desc="timing small verifies, usual and transposed, on this machine (once)",
+                  unit="round", leave=False)
+    for _ in rounds:  # the first round warms every path up and is dropped
         for n in sizes:
             ids = torch.randint(vocab, (1, n), generator=gen).to(device)  # [1, n]
             for way in ways:

@@ -135,6 +135,24 @@ def test_fit_latency_recovers_flat_then_linear_and_never_decreases():
     assert fit_latency({1: 0.5, 2: 0.4}) == {1: 0.4, 2: 0.4}  # too few sizes to fit: as measured, kept monotone
 
 
+def test_fit_latency_keeps_the_small_row_plans_sizes_as_measured():
+    """Sizes verified another way (a small-row plan) stay out of the curve and keep their dips where they are below
+    it; every size from 1 to the largest measured gets a value, so the sizes between come from the curve, not from a
+    line drawn through the dips."""
+    from tokenmaxx.inference.latency import fit_latency
+
+    # the other sizes: flat 0.9 up to 12, then 0.01 s a token; the plan's sizes 2, 4 and 16 are cheaper, 8 is not
+    measured = {1: 0.5, 2: 0.6, 4: 0.65, 8: 1.0, 12: 0.9, 16: 0.7, 20: 0.98, 24: 1.02, 32: 1.1}
+    fitted = fit_latency(measured, exact={2, 4, 8, 16})
+    assert sorted(fitted) == list(range(1, 33))
+    assert fitted[2] == 0.6 and fitted[4] == 0.65 and fitted[16] == 0.7  # the dips, as measured
+    assert fitted[8] == pytest.approx(0.9)  # measured above the curve: the curve
+    assert fitted[3] == pytest.approx(0.9) and fitted[15] == pytest.approx(0.93) and fitted[17] == pytest.approx(0.95)
+    assert fitted[1] == 0.5
+    assert fit_latency(measured, exact={2, 4, 8, 12, 16, 20, 24}) == fit_latency(measured)  # too few others to fit
+    assert fit_latency(measured, exact=()) == fit_latency(measured)
+
+
 def test_measure_latency_statistics():
     from tokenmaxx.inference.latency import measure_latency
 
@@ -180,6 +198,8 @@ def test_verify_latency_between_cache_lengths():
     assert latency.at(200) == pytest.approx({1: 1.5, 8: 3.5})
     assert latency.at(500) == pytest.approx({1: 3.0, 8: 8.0})  # extended along the last segment
     assert VerifyLatency({100: {1: 1.0}}).at(1000) == {1: 1.0}
+    dips = VerifyLatency({100: {1: 1.0, 2: 2.0, 3: 1.5}, 300: {1: 2.0, 2: 4.0, 3: 3.0}})  # a small-row plan's dip
+    assert dips.at(200) == pytest.approx({1: 1.5, 2: 3.0, 3: 2.25})  # kept between cache lengths
 
 
 def test_calibration_key_changes_with_machine():
@@ -209,7 +229,8 @@ def test_auto_tree_calibrates_once_and_caches(tmp_path, monkeypatch):
     assert record["tree"] == [list(p) for p in tree.paths] and record["positions"] > 0
     assert 1 in map(int, record["latency"])
     monkeypatch.setattr(autotune, "calibrate_ranks", lambda *a, **k: pytest.fail("calibrated twice"))
-    gen = SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto", draft="heads")  # reads the cache
+    # reads the cache (calibrated above as for verifies without small-row products)
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto", draft="heads", small_row_linears=False)
     assert gen.tree_settings == tree
     with pytest.raises(ValueError, match=r"tree='auto' calibrates the tree on this machine: build the generator with "
                        r"SpeculativeGenerator.create"):
@@ -233,7 +254,7 @@ def test_auto_tree_says_what_it_chose_and_why(tmp_path, monkeypatch, capsys):
     def said(prefix: str) -> list[str]:  # the lines tree='auto' printed (tqdm's \r-updates split off too)
         return [line for line in capsys.readouterr().err.splitlines() if line.startswith(prefix)]
 
-    monkeypatch.setattr(autotune, "fit_latency", lambda measured: {n: 0.01 + 1.0 * (n > 1) for n in measured})
+    monkeypatch.setattr(autotune, "fit_latency", lambda measured, **_: {n: 0.01 + 1.0 * (n > 1) for n in measured})
     assert autotune.auto_tree(model, heads, tok, cache_root=tmp_path).num_nodes == 1
     err = capsys.readouterr().err
     assert "tree='auto': calibrating on prompts" in err and "tree='auto': timing the decode loop" in err
@@ -250,7 +271,7 @@ def test_auto_tree_says_what_it_chose_and_why(tmp_path, monkeypatch, capsys):
 
     monkeypatch.undo()  # extra nodes cost nothing: the largest tree wins
     monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.",))
-    monkeypatch.setattr(autotune, "fit_latency", lambda measured: dict.fromkeys(measured, 0.01))
+    monkeypatch.setattr(autotune, "fit_latency", lambda measured, **_: dict.fromkeys(measured, 0.01))
     tree = autotune.auto_tree(model, heads, tok, cache_root=tmp_path, refresh=True)
     [line] = said("tree='auto': chose")
     assert tree.num_nodes > 1 and line.startswith(f"tree='auto': chose a tree of {tree.num_nodes} nodes: "), line

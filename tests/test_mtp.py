@@ -391,7 +391,9 @@ def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypat
                            f"{row['tokens_per_s']:.1f} tok/s expected (tau {row['expected_tau']:.2f}, "), line
     assert f" vs {1 / record['latency']['1']:.1f} tok/s with 1 node (" in line and f"cached in {files[0]})" in line
     monkeypatch.setattr(autotune, "calibrate_dynamic", lambda *a, **k: pytest.fail("calibrated twice"))
-    gen = SpeculativeGenerator.create(model, oracle, tokenizer=tok, tree="auto", draft="heads")
+    gen = SpeculativeGenerator.create(model, oracle, tokenizer=tok, tree="auto", draft="heads",
+                                      small_row_linears=False)  # calibrated above as for verifies without them
     assert gen.tree_settings == chosen
     choice = line.removeprefix("tree='auto': ").split(" (calibrated in")[0]
-    assert capsys.readouterr().err.splitlines() == [f"tree='auto': read from cache {files[0]}: {choice}"]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tree='auto'")]
+    assert said == [f"tree='auto': read from cache {files[0]}: {choice}"]  # (beside the generator's latency timing)

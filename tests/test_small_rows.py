@@ -1,12 +1,16 @@
 """Tree verifies with the linear layers as (W @ x^T)^T (``inference/small_rows.py``): the same logits up to rounding,
 the model's modules untouched afterwards, greedy output still token-identical, and the choice measured once."""
 
+import json
+
 import pytest
 import torch
-from helpers import assert_matches_greedy, greedy_reference, random_heads, random_mtp
+from helpers import assert_matches_greedy, greedy_reference, random_heads, random_mtp, tiny_model
+from tiny_tokenizer import tiny_tokenizer
 from torch import nn
 
-from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.inference import SpeculativeGenerator, autotune
+from tokenmaxx.inference import generator as generator_module
 from tokenmaxx.inference import small_rows as small_rows_module
 from tokenmaxx.inference.small_rows import cached_small_rows, choose_small_rows, transposed_linears
 
@@ -133,3 +137,25 @@ def test_small_rows_are_measured_once_per_machine(model, tmp_path, monkeypatch):
     real = small_rows_module.measure_small_rows(model, sizes=(2, 4), repeats=2)  # the real thing, on the tiny model
     assert set(real) == {2, 4} and all(set(t) == {"usual", "all", "head", "body"} and min(t.values()) > 0
                                        for t in real.values())
+
+
+def test_tree_auto_is_calibrated_for_verifies_computed_as_the_plan_says(tmp_path, monkeypatch):
+    """tree='auto' times its verify latency with the generator's small-row plan (and keys its record by it): the
+    trees it weighs cost what they will cost."""
+    model, tok = tiny_model("qwen2", seed=12), tiny_tokenizer()
+    model.generation_config.eos_token_id = None
+    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.",))
+    plan = {2: "all", 3: "head", 5: "body"}
+    monkeypatch.setattr(generator_module, "cached_small_rows", lambda m, *a, **k: plan)
+    seen = []
+    real = autotune.measure_latency
+    monkeypatch.setattr(autotune, "measure_latency",
+                        lambda *a, **k: seen.append(k.get("small_rows")) or real(*a, **k))
+    gen = SpeculativeGenerator.create(model, random_heads(model), tokenizer=tok, tree="auto", draft="heads")
+    assert seen[0] == plan and gen.small_rows == plan  # (then the generator's own latency table, measured alike)
+    [record] = [json.loads(f.read_text()) for f in (tmp_path / "calibration").glob("*.json")
+                if "measured_latency" in json.loads(f.read_text())]  # the tree='auto' record
+    assert record["machine"]["small_rows"] == [[2, "all"], [3, "head"], [5, "body"]]
+    assert {2, 3, 5} <= set(map(int, record["measured_latency"]))  # the plan's sizes timed as they will run
+    assert_matches_greedy(gen, model, 2, seed=3)
