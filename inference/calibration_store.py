@@ -70,6 +70,15 @@ def machine_fingerprint(model) -> dict:
             "dtype": str(weight.dtype), "device": device_name(weight.device)}
 
 
+def backbone_key(model, machine: dict, *what) -> str:
+    """Cache key of a backbone-only calibration: its identity and shape, the machine fingerprint and ``what`` (the
+    calibration's name, version and settings)."""
+    shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                          "vocab_size", "intermediate_size")}
+    return hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, *what], sort_keys=True,
+                                     default=str).encode()).hexdigest()[:24]
+
+
 def calibration_key(model, heads, machine: dict) -> str:
     """Cache key over backbone identity, the heads' weights and the machine fingerprint."""
     digest = hashlib.sha256()

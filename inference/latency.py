@@ -11,7 +11,6 @@ time sit rounds out (``hybrid.py``); ``tree="auto"`` (``autotune.py``) chooses t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import statistics
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from tokenmaxx.heads import Outcome, Prefill, Tree, backbone_identity
+from tokenmaxx.heads import Outcome, Prefill, Tree
 from tokenmaxx.heads.modeling import backbone_features
 
-from .calibration_store import CALIBRATION_VERSION, cache_path, calibration_key, machine_fingerprint, write_record
+from .calibration_store import (CALIBRATION_VERSION, backbone_key, cache_path, calibration_key, machine_fingerprint,
+                                write_record)
 from .small_rows import Plan, as_plan, plan_record, transposed_linears
 from .timing import clock
 
@@ -158,11 +158,8 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
     at a few cache lengths, measured once and cached (~20 s on a 2-core CPU); ``small_rows``: as the verifies
     compute their linear layers (``small_rows.transposed_linears``), part of the cache key."""
     machine = machine_fingerprint(model)
-    shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
-                                                          "vocab_size", "intermediate_size")}
-    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "latency", list(prefix_lens),
-                                     CALIBRATION_VERSION, "median", plan_record(small_rows)], sort_keys=True,
-                                    default=str).encode()).hexdigest()[:24]
+    key = backbone_key(model, machine, "latency", list(prefix_lens), CALIBRATION_VERSION, "median",
+                       plan_record(small_rows))
     path = cache_path(f"latency-{key}", cache_root)
     if path.is_file() and not refresh:
         record = json.loads(path.read_text())

@@ -18,7 +18,6 @@ embeddings) or "body" (every other ``nn.Linear``); sizes not in it are computed 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import statistics
 import threading
@@ -34,9 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from tokenmaxx.heads import backbone_identity
-
-from .calibration_store import CALIBRATION_VERSION, cache_path, machine_fingerprint, write_record
+from .calibration_store import CALIBRATION_VERSION, backbone_key, cache_path, machine_fingerprint, write_record
 from .timing import clock
 
 Plan = Union[int, Mapping[int, str]]  # rows -> "all" | "head" | "body" (or k: "all" at 2..k rows)
@@ -168,10 +165,7 @@ def cached_small_rows(model, cache_root: Path | None = None, refresh: bool = Fal
     if weight.device.type != "cpu":
         return {}
     machine = machine_fingerprint(model)
-    shape = {k: getattr(model.config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
-                                                          "vocab_size", "intermediate_size")}
-    key = hashlib.sha256(json.dumps([backbone_identity(model), shape, machine, "small_rows", SMALL_ROW_SIZES,
-                                     CALIBRATION_VERSION], sort_keys=True, default=str).encode()).hexdigest()[:24]
+    key = backbone_key(model, machine, "small_rows", SMALL_ROW_SIZES, CALIBRATION_VERSION)
     path = cache_path(f"small-rows-{key}", cache_root)
     if path.is_file() and not refresh:
         return {int(n): part for n, part in json.loads(path.read_text())["plan"]}
