@@ -19,14 +19,13 @@ from typing import Collection, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from tokenmaxx.heads import Outcome, Prefill, Tree
 from tokenmaxx.heads.modeling import backbone_features
 
 from .calibration_store import (CALIBRATION_VERSION, backbone_key, cache_path, calibration_key, machine_fingerprint,
                                 write_record)
-from .small_rows import Plan, as_plan, plan_record, transposed_linears
+from .small_rows import Plan, VerifyTimer, as_plan, plan_record
 from .timing import clock
 
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -56,25 +55,12 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
     forward computes the linear layers as a verify of its size does."""
     if statistic not in ("min", "median"):
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
-    weight = model.get_output_embeddings().weight
-    vocab, device = weight.shape[0], weight.device
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None:  # stay inside the backbone's context
-        prefix_len = max(1, min(prefix_len, context - max(sizes)))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    cache = DynamicCache(config=model.config)
-    prompt = torch.randint(vocab, (1, prefix_len), generator=gen, device="cpu").to(device)  # [1, P]
-    model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    timer = VerifyTimer(model, prefix_len, max(sizes))
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in tqdm(range(repeats), desc=f"timing verifies of {min(sizes)}-{max(sizes)} tokens on this machine (once)",
                   unit="round", leave=False):
         for n in sizes:
-            ids = torch.randint(vocab, (1, n), generator=gen, device="cpu").to(device)  # [1, n]
-            with transposed_linears(model, small_rows, rows=n):
-                start = clock(device)
-                model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-                times[n].append(clock(device) - start)
-            cache.crop(-n)
+            times[n].append(timer.seconds(timer.draw(n), small_rows))
     pick = min if statistic == "min" else statistics.median
     return {n: pick(ts) for n, ts in times.items()}
 

@@ -117,33 +117,52 @@ def transposed_linears(model: nn.Module, plan: Plan, rows: int | None = None) ->
                 _ACTIVE[model] = (users - 1, patched)
 
 
+class VerifyTimer:
+    """Times the forward a tree verify of n nodes runs: n random tokens over a cache of ``prefix_len`` random ones
+    (clamped so that ``max_tokens`` more stay inside the backbone's context), the cache cropped back after each. Token
+    ids come from one seeded CPU generator (the same on every device) and reach the backbone's device before the clock
+    starts; the clock waits for the device (``timing.clock``). Use under ``torch.inference_mode``."""
+
+    def __init__(self, model, prefix_len: int, max_tokens: int):
+        weight = model.get_output_embeddings().weight
+        self.model, self.vocab, self.device = model, weight.shape[0], weight.device
+        context = getattr(model.config, "max_position_embeddings", None)
+        if context is not None:
+            prefix_len = max(1, min(prefix_len, context - max_tokens))
+        self.gen = torch.Generator(device="cpu").manual_seed(0)
+        self.cache = DynamicCache(config=model.config)
+        model(input_ids=self.draw(prefix_len), past_key_values=self.cache, use_cache=True)
+
+    def draw(self, n: int) -> torch.Tensor:
+        """[1, n] random token ids on the backbone's device."""
+        return torch.randint(self.vocab, (1, n), generator=self.gen, device="cpu").to(self.device)
+
+    def seconds(self, ids: torch.Tensor, plan: Plan = 0) -> float:
+        """One forward of ``ids`` [1, n] with the linear layers as ``plan`` computes n rows."""
+        n = ids.shape[1]
+        with transposed_linears(self.model, plan, rows=n):
+            start = clock(self.device)
+            self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+            elapsed = clock(self.device) - start
+        self.cache.crop(-n)
+        return elapsed
+
+
 @torch.inference_mode()
 def measure_small_rows(model, sizes: Sequence[int] = SMALL_ROW_SIZES, prefix_len: int = 256,
                        repeats: int = 7) -> dict[int, dict[str, float]]:
     """Median seconds of one forward of n tokens over ``prefix_len`` cached tokens as usual and with the products of
     each part transposed, interleaved (a slow spell of a shared machine hits all alike): {n: {"usual"|part: s}}."""
-    weight = model.get_output_embeddings().weight
-    vocab, device = weight.shape[0], weight.device
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None:
-        prefix_len = max(1, min(prefix_len, context - max(sizes)))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(vocab, (1, prefix_len), generator=gen).to(device), past_key_values=cache,
-          use_cache=True)
+    timer = VerifyTimer(model, prefix_len, max(sizes))
     ways = ("usual",) + PARTS
     times: dict[tuple[int, str], list[float]] = {(n, w): [] for n in sizes for w in ways}
     rounds = tqdm(range(repeats + 1), desc="timing small verifies, usual and transposed, on this machine (once)",
                   unit="round", leave=False)
     for _ in rounds:  # the first round warms every path up and is dropped
         for n in sizes:
-            ids = torch.randint(vocab, (1, n), generator=gen).to(device)  # [1, n]
+            ids = timer.draw(n)
             for way in ways:
-                with transposed_linears(model, {n: way} if way != "usual" else {}):
-                    start = clock(device)
-                    model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-                    times[(n, way)].append(clock(device) - start)
-                cache.crop(-n)
+                times[(n, way)].append(timer.seconds(ids, {n: way} if way != "usual" else {}))
     return {n: {w: statistics.median(times[(n, w)][1:]) for w in ways} for n in sizes}
 
 

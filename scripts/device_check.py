@@ -5,7 +5,8 @@
 
 The report reads what the steps left in WORK: ``steps.tsv`` (step, exit status, seconds), ``env.txt``,
 ``fast_tier.log`` (pytest), ``identity_fp32.json`` (a bench in fp32: greedy identity of every mode),
-``latency.json`` and ``bench.json`` (bf16; its identical rates are the bf16 match rates).
+``latency.json`` and ``bench.json`` (bf16 on a GPU, the CPU's dtype in the dry run; its identical rates are the match
+rates of that dtype).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def latency_main(args: argparse.Namespace) -> int:
     seconds = measure_latency(model, sizes=sizes, prefix_len=args.prefix_len, repeats=args.repeats,
                               statistic="median")
     device = model.get_output_embeddings().weight.device
-    record = {"device": device_name(device), "dtype": args.dtype, "backbone": args.backbone,
+    record = {"device": device_name(device), "dtype": str(model.dtype).removeprefix("torch."), "backbone": args.backbone,
               "prefix_len": args.prefix_len, "repeats": args.repeats, "statistic": "median",
               "ms": {str(n): round(s * 1e3, 4) for n, s in seconds.items()},
               "ratio_to_1": {str(n): round(s / seconds[sizes[0]], 4) for n, s in seconds.items()}}
@@ -98,11 +99,14 @@ def report_main(args: argparse.Namespace) -> int:
               "## Greedy identity, fp32, real backbone", ""]
     id_lines, identical = identity_lines(identity)
     lines += id_lines
-    lines += ["", "## bf16 match rate (from the bench)", ""]
+    # the bench's dtype: bf16 on a GPU; the dry run's is the CPU's ("auto": fp32 where bf16 is not native)
+    dtype = (bench or {}).get("machine", {}).get("dtype", "bfloat16")
+    label = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+    lines += ["", f"## {label} match rate (from the bench)", ""]
     if bench is not None:
         lines += [f"- {name}: {res['overall']['identical_rate']:.0%} of {res['overall']['prompts']} prompts"
                   for name, res in bench["methods"].items() if name != "baseline"]
-        lines += ["", BF16_NOTE]
+        lines += ["", BF16_NOTE] if dtype != "float32" else []
     else:
         lines += ["- no result"]
     lines += ["", "## Verify latency (one forward of n tree tokens over a 256-token cache)", ""]
@@ -112,7 +116,7 @@ def report_main(args: argparse.Namespace) -> int:
         lines += [f"| {n} | {ms} | {latency['ratio_to_1'][n]} |" for n, ms in latency["ms"].items()]
     else:
         lines += ["- no result"]
-    lines += ["", "## Bench (bf16)", ""]
+    lines += ["", f"## Bench ({label})", ""]
     lines += [markdown_table(bench).rstrip()] if bench is not None else ["- no result"]
     failed = [name for name, status, _ in steps if status != 0]
     verdict = "PASS" if identical and not failed and steps else "FAIL"
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     lat = sub.add_parser("latency", help="the verify-latency curve of the backbone on a device")
     lat.add_argument("--backbone", default=DEFAULT_BACKBONE)
     lat.add_argument("--device", default="auto")
-    lat.add_argument("--dtype", default="bfloat16")
+    lat.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32 or auto (the device's best)")
     lat.add_argument("--sizes", default=",".join(map(str, CURVE_SIZES)), help="tree sizes, comma separated")
     lat.add_argument("--prefix_len", type=int, default=256)
     lat.add_argument("--repeats", type=int, default=10)

@@ -2,7 +2,9 @@
 # gpu_check.sh: the same code on a GPU, checked in one command (about 8 minutes on one H200).
 #
 #   bash scripts/gpu_check.sh OUT             on a CUDA machine: every step below, OUT/report.md judges them
-#   bash scripts/gpu_check.sh --dry-run OUT   on any machine: the same steps on the CPU at toy sizes
+#   bash scripts/gpu_check.sh --dry-run OUT   on any machine: the same steps on the CPU at toy sizes, the latency
+#                                             and bench steps in the CPU's dtype ("auto": fp32 without native bf16,
+#                                             which emulates bf16 several times slower)
 #
 # Steps (each one's exit status and seconds go into the report; a failed step does not stop the others):
 #   1. env        device, driver, python, torch, transformers
@@ -96,13 +98,13 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 
 if [ $DRY = 1 ]; then
-    DEV=cpu THREADS=2
+    DEV=cpu THREADS=2 DTYPE=auto
     PROMPTS=${GPU_CHECK_PROMPTS:-../shared/bench/spec_bench_dev.jsonl}
     FAST=(tests/test_verify.py tests/test_greedy.py -x)
     ID_ARGS=(--limit 1 --max_new_tokens 12 --warmup 1) SIZES=1,2,4,8 REPEATS=2
     BENCH_ARGS=(--limit 1 --max_new_tokens 16 --warmup 1) BUDGET=(600 600 600 1500)  # s: fast, id, lat, bench (a slow CPU)
 else
-    DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8
+    DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8 DTYPE=bfloat16
     PROMPTS=${GPU_CHECK_PROMPTS:-$STAGE/in/prompts.jsonl}
     FAST=(tests/test_greedy.py tests/test_verify.py tests/test_tree.py tests/test_mtp.py tests/test_lookup.py
           tests/test_sampling.py tests/test_threads.py)
@@ -144,9 +146,9 @@ step fast_tier "${BUDGET[0]}" env TOKENMAXX_TEST_DEVICE="$DEV" $PY -m pytest -q 
 BENCH=($PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --lookup_tokens 10)
 step identity_fp32 "${BUDGET[1]}" "${BENCH[@]}" --dtype float32 --out "$WORK/identity_fp32" \
     --methods baseline,mtp,mtp_hybrid,medusa,medusa_hybrid,lookup "${ID_ARGS[@]}"
-step latency "${BUDGET[2]}" $PY scripts/device_check.py latency --device "$DEV" --dtype bfloat16 --sizes $SIZES \
+step latency "${BUDGET[2]}" $PY scripts/device_check.py latency --device "$DEV" --dtype $DTYPE --sizes $SIZES \
     --repeats $REPEATS --threads $THREADS --out "$WORK/latency.json"
-step bench "${BUDGET[3]}" "${BENCH[@]}" --dtype bfloat16 --out "$WORK/bench" \
+step bench "${BUDGET[3]}" "${BENCH[@]}" --dtype $DTYPE --out "$WORK/bench" \
     --methods baseline,prompt_lookup,mtp,mtp_hybrid,medusa_hybrid,lookup,mtp:auto "${BENCH_ARGS[@]}"
 $PY scripts/device_check.py report "$WORK" "$OUT"
 status=$?
