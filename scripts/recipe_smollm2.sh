@@ -6,6 +6,7 @@
 # Every step resumes where it stopped when re-run with the same settings.
 #
 # Knobs (environment): MAX_PROMPTS (20000), MAX_NEW_TOKENS (256), EPOCHS (2), NPROC (1 process; 2 = torchrun),
+# SAVE_EVERY (50 steps between checkpoints: ~7 min of training at the rate below, so a stopped run loses little),
 # DATA, RUN, EXPORT (folders), EXCLUDE (benchmark prompts never trained on; default ../shared/bench, from the repo
 # root). Cost on a 2-core CPU: data ~520 tokens/s (about 3 h for 20000 x 256 tokens); training over the 16,384-token
 # draft vocabulary ~2,000 positions/s in bf16 (about 45 min per epoch of 5M positions; ~500 positions/s without
@@ -30,7 +31,7 @@ if [ -f "$RUN/checkpoints/latest" ]; then RESUME=(--resume); fi
 ARGS=(--data "$DATA" --backbone smollm2-135m --dtype bfloat16 --num_heads 4 --num_layers 1 --share_lm_head true
       --seq_len 512 --micro_batch_size 8 --grad_accum 4 --epochs "${EPOCHS:-2}" --lr 1e-3 --warmup 100
       --loss ce --head_decay 0.8 --draft_vocab_size 16384 --loss_vocab draft --feature_cache "$RUN/features"
-      --save_every 200 --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT" "${RESUME[@]}")
+      --save_every "${SAVE_EVERY:-50}" --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT" "${RESUME[@]}")
 if [ "$NPROC" -gt 1 ]; then
   OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" scripts/train_heads.py "${ARGS[@]}"
 else

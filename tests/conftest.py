@@ -37,6 +37,15 @@ def cache_in_tmp(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """A test that runs a script's ``main`` in-process (``--threads 1``) must not leave torch on one thread: later
+    tests would run at half speed, and the real backbone's calibrations (keyed by threads) would be measured again."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def model(request):
     return tiny_model(request.param)
