@@ -35,10 +35,12 @@ from tokenmaxx.heads.modeling import backbone_features
 from .calibration_store import cache_path, calibration_key, machine_fingerprint, write_record
 from .decoding import accept_greedy
 from .drafting import make_drafter
-from .latency import LATENCY_SIZES, drafts_along, fit_latency, measure_latency
+from .latency import cached_latency, drafts_along
 from .loop import eos_ids, greedy_root, speculative_decode
-from .small_rows import Plan, as_plan, plan_record
+from .small_rows import Plan, plan_record
 from .tree_search import choose_tree, ordered_paths_from_ranks
+
+CALIBRATION_PREFIX = 256  # cached tokens the calibration's verify latency is read at (``verify_latency``)
 
 # Generic calibration prompts (never benchmark prompts): a mix of chat, code, math, rewriting and summarising.
 CALIBRATION_PROMPTS = (
@@ -115,6 +117,16 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) ->
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
+def verify_latency(model, small_rows: Plan = 0, cache_root: Path | None = None,
+                   refresh: bool = False) -> dict[int, float]:
+    """The verify latency the trees are weighed with: this machine's cached table (``latency.cached_latency``, the
+    one the generator's per-round node budget reads, measured once per backbone, machine and small-row plan) at a
+    cache of ``CALIBRATION_PREFIX`` tokens, about the calibration continuations' length. One table for both choices,
+    and medians, not minima: sized on best-case timings, trees came out too big (``cached_latency``). ``refresh``
+    measures it again (and the generator then reads the new table too)."""
+    return cached_latency(model, cache_root, refresh, small_rows=small_rows).at(CALIBRATION_PREFIX)
+
+
 def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | None = None,
               refresh: bool = False, small_rows: Plan = 0) -> Tree:
     """Calibrate (or read the cached calibration) and return the tree with the best expected tokens/s. ``small_rows``:
@@ -130,14 +142,12 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
         return tree
     start = time.perf_counter()
     ranks = calibrate_ranks(model, heads, tokenizer)
-    planned = set(as_plan(small_rows))  # sizes the plan verifies another way (``fit_latency``'s exact sizes)
-    measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | planned), small_rows=small_rows)
-    latency = fit_latency(measured, exact=planned)
+    latency = verify_latency(model, small_rows, cache_root, refresh)
     overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]))
     tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
                               max_depth=heads.config.num_heads)
     write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
-                         "measured_latency": measured, "overhead": overhead, "positions": ranks.shape[0],
+                         "latency_prefix": CALIBRATION_PREFIX, "overhead": overhead, "positions": ranks.shape[0],
                          "table": table})
     _say(describe_choice(table, tree.num_nodes, table[0])
          + f" (calibrated in {time.perf_counter() - start:.0f} s, cached in {path})")
@@ -200,9 +210,7 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
         return chosen
     start = time.perf_counter()
     taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
-    planned = set(as_plan(small_rows))  # sizes the plan verifies another way (``fit_latency``'s exact sizes)
-    measured = measure_latency(model, sizes=sorted(set(LATENCY_SIZES) | set(taus) | planned), small_rows=small_rows)
-    latency = fit_latency(measured, exact=planned)
+    latency = verify_latency(model, small_rows, cache_root, refresh)
     # drafting cost grows with the budget (more levels survive the pruning): keep the overhead curve never decreasing,
     # as the latency's (a larger budget never drafts less; dips are noise)
     measured_loop, untimed = timed_overheads(model, heads, tokenizer, config, taus, latency)
@@ -213,7 +221,7 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     best = max(table, key=lambda row: row["tokens_per_s"])
     chosen = dataclasses.replace(config, nodes=best["nodes"])
     write_record(path, {"dynamic_tree": dataclasses.asdict(chosen),
-                         "machine": machine, "latency": latency, "measured_latency": measured, "overhead": loop,
+                         "machine": machine, "latency": latency, "latency_prefix": CALIBRATION_PREFIX, "overhead": loop,
                          "measured_overhead": measured_loop, "propose_seconds": propose_s, "table": table,
                          "untimed": untimed})
     skipped = f"; {len(untimed)} of {len(taus)} budgets could not win and were not timed" if untimed else ""

@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenmaxx.inference import SpeculativeGenerator, autotune
 from tokenmaxx.inference import generator as generator_module
+from tokenmaxx.inference import latency as latency_module
 from tokenmaxx.inference import small_rows as small_rows_module
 from tokenmaxx.inference.small_rows import cached_small_rows, choose_small_rows, transposed_linears
 
@@ -139,9 +140,10 @@ def test_small_rows_are_measured_once_per_machine(model, tmp_path, monkeypatch):
                                        for t in real.values())
 
 
-def test_tree_auto_is_calibrated_for_verifies_computed_as_the_plan_says(tmp_path, monkeypatch):
-    """tree='auto' times its verify latency with the generator's small-row plan (and keys its record by it): the
-    trees it weighs cost what they will cost."""
+@pytest.mark.parametrize("kind", ["medusa", "mtp"])
+def test_tree_auto_weighs_trees_with_the_generators_latency_table_timed_as_the_plan_says(tmp_path, monkeypatch, kind):
+    """tree='auto' reads the verify latency the generator's node budget reads (one measurement, not two), timed with
+    the small-row plan, and keys its record by the plan: the trees it weighs cost what they will cost."""
     model, tok = tiny_model("qwen2", seed=12), tiny_tokenizer()
     model.generation_config.eos_token_id = None
     monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
@@ -149,13 +151,16 @@ def test_tree_auto_is_calibrated_for_verifies_computed_as_the_plan_says(tmp_path
     plan = {2: "all", 3: "head", 5: "body"}
     monkeypatch.setattr(generator_module, "cached_small_rows", lambda m, *a, **k: plan)
     seen = []
-    real = autotune.measure_latency
-    monkeypatch.setattr(autotune, "measure_latency",
-                        lambda *a, **k: seen.append(k.get("small_rows")) or real(*a, **k))
-    gen = SpeculativeGenerator.create(model, random_heads(model), tokenizer=tok, tree="auto", draft="heads")
-    assert seen[0] == plan and gen.small_rows == plan  # (then the generator's own latency table, measured alike)
+    real = latency_module.measure_latency
+    monkeypatch.setattr(latency_module, "measure_latency",
+                        lambda *a, **k: seen.append((k["prefix_len"], k.get("small_rows"))) or real(*a, **k))
+    heads = random_heads(model) if kind == "medusa" else random_mtp(model)
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto", draft="heads")
+    lengths = sorted(gen.latency.tables)
+    assert sorted(seen) == [(n, plan) for n in lengths] and gen.small_rows == plan  # each cache length timed once
     [record] = [json.loads(f.read_text()) for f in (tmp_path / "calibration").glob("*.json")
-                if "measured_latency" in json.loads(f.read_text())]  # the tree='auto' record
+                if "latency_prefix" in json.loads(f.read_text())]  # the tree='auto' record
     assert record["machine"]["small_rows"] == [[2, "all"], [3, "head"], [5, "body"]]
-    assert {2, 3, 5} <= set(map(int, record["measured_latency"]))  # the plan's sizes timed as they will run
+    table = gen.latency.at(record["latency_prefix"])
+    assert {int(n): s for n, s in record["latency"].items()} == table and {2, 3, 5} <= set(table)
     assert_matches_greedy(gen, model, 2, seed=3)
