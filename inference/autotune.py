@@ -8,9 +8,10 @@ heads): E[tau] of each node budget from drafting along those continuations (``ca
 ``latency.py``, the loop's own overhead from short generations (``measure_overheads``); records cached by
 ``calibration_store``. ``resolve_auto`` picks the calibration that fits the settings type of the heads' kind.
 
-Calibrating takes about a minute: it shows progress bars on stderr, then one line says what was chosen and why
-(``describe_choice``: the expected tokens/s against a 1-node tree's, i.e. no drafting); a cached choice says which file
-it was read from.
+Calibrating takes 2-3 minutes on a 2-core CPU: it shows progress bars on stderr, then one line says what was chosen
+and why (``describe_choice``: the expected tokens/s against a 1-node tree's, i.e. no drafting); a cached choice says
+which file it was read from. ``tree="auto:prompts=N,tokens=T"`` (``Calibration``) calibrates on less text (sooner,
+noisier).
 """
 
 from __future__ import annotations
@@ -55,6 +56,69 @@ CALIBRATION_PROMPTS = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """How much text ``tree="auto"`` calibrates on: the first ``prompts`` of ``CALIBRATION_PROMPTS`` (None: all),
+    each continued greedily for ``tokens`` tokens; the decode loop's overhead is timed on generations of
+    ``min(tokens, 48)`` tokens. Less text calibrates sooner and chooses on noisier estimates; the size is part of the
+    cache key."""
+
+    prompts: int | None = None
+    tokens: int = 128
+
+    def __post_init__(self):
+        for name, low, high in (("prompts", 1, len(CALIBRATION_PROMPTS)), ("tokens", 8, 4096)):
+            value = getattr(self, name)
+            if name == "prompts" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"tree='auto' calibration: {name} must be an integer in [{low}, {high}], "
+                                 f"got {value!r}")
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return CALIBRATION_PROMPTS[: self.prompts]
+
+    @property
+    def key(self) -> list[int]:
+        """What the cache key holds: the number of prompts and tokens (the prompts themselves are fixed)."""
+        return [len(self.texts), self.tokens]
+
+    @property
+    def loop_tokens(self) -> int:
+        return min(self.tokens, LOOP_TIMING_TOKENS)
+
+    @classmethod
+    def parse(cls, tree) -> "Calibration | None":
+        """The calibration a tree setting asks for: "auto" -> the default size, "auto:prompts=N,tokens=T" (either
+        key optional) -> that size, a Calibration -> itself; any other setting -> None (not tree="auto")."""
+        if isinstance(tree, cls):
+            return tree
+        if not isinstance(tree, str) or not (tree == "auto" or tree.startswith("auto:")):
+            return None
+        spec = tree.removeprefix("auto").removeprefix(":")
+        values = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, eq, value = item.partition("=")
+            name = name.strip()
+            if not eq or name not in ("prompts", "tokens") or name in values:
+                raise ValueError(f"tree={tree!r}: expected 'auto' or 'auto:prompts=N,tokens=T' (each key at most "
+                                 f"once), got {item!r}")
+            try:
+                values[name] = int(value)
+            except ValueError:
+                raise ValueError(f"tree={tree!r}: {name} must be an integer, got {value.strip()!r}") from None
+        return cls(**values)
+
+
+LOOP_TIMING_TOKENS = 48  # tokens of each short generation that times the decode loop's overhead
+
+
+def is_auto(tree) -> bool:
+    """Whether a tree setting asks ``tree="auto"`` to choose (``Calibration.parse``; malformed "auto:..." raises)."""
+    return Calibration.parse(tree) is not None
+
+
 def continuations(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
                   feature_layers: Sequence[int] | None = None):
     """Per calibration prompt: its chat input_ids [1, P], the backbone's greedy continuation seq [T] (prompt
@@ -94,12 +158,13 @@ def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] | None = Non
     return torch.tensor(rows, dtype=torch.long, device="cpu")  # Python-side: the tree search reads it
 
 
-def measure_overhead(model, heads, tokenizer, tree: Tree) -> float:
+def measure_overhead(model, heads, tokenizer, tree: Tree, max_new_tokens: int = LOOP_TIMING_TOKENS) -> float:
     """Seconds per speculative step spent outside the verify forward (propose, accept, commit, loop)."""
-    return measure_overheads(model, heads, tokenizer, {0: tree})[0]
+    return measure_overheads(model, heads, tokenizer, {0: tree}, max_new_tokens=max_new_tokens)[0]
 
 
-def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) -> dict:
+def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3,
+                      max_new_tokens: int = LOOP_TIMING_TOKENS) -> dict:
     """``measure_overhead`` of several tree settings (any key -> settings of the heads' kind): short generations
     drafted by the heads alone run interleaved, ``repeats`` rounds over all settings, the median per setting kept, so
     a shared machine's load drifting during calibration weighs on every setting alike instead of on whichever was
@@ -112,7 +177,8 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3) ->
     for key, tree in tqdm(rounds, desc="tree='auto': timing the decode loop", unit="run", leave=False,
                           file=sys.stderr):
         drafter = make_drafter("heads", model, heads, tree=tree)
-        _, s = speculative_decode(model, drafter, ids, 48, accept_greedy, greedy_root, eos, attention=attention)
+        _, s = speculative_decode(model, drafter, ids, max_new_tokens, accept_greedy, greedy_root, eos,
+                                  attention=attention)
         samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
     return {key: statistics.median(values) for key, values in samples.items()}
 
@@ -128,12 +194,11 @@ def verify_latency(model, small_rows: Plan = 0, cache_root: Path | None = None,
 
 
 def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | None = None,
-              refresh: bool = False, small_rows: Plan = 0) -> Tree:
+              refresh: bool = False, small_rows: Plan = 0, calibration: Calibration = Calibration()) -> Tree:
     """Calibrate (or read the cached calibration) and return the tree with the best expected tokens/s. ``small_rows``:
-    the verifies' small-row plan (``small_rows.cached_small_rows``): the latency is measured as they will run."""
-    machine = machine_fingerprint(model)
-    if small_rows:
-        machine = {**machine, "small_rows": plan_record(small_rows)}
+    the verifies' small-row plan (``small_rows.cached_small_rows``): the latency is measured as they will run.
+    ``calibration``: how much text to calibrate on."""
+    machine = _machine(model, small_rows, calibration)
     path = cache_path(calibration_key(model, heads, machine), cache_root)
     if path.is_file() and not refresh:
         record = json.loads(path.read_text())
@@ -141,9 +206,9 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
         _say(f"read from cache {path}: " + describe_choice(record["table"], tree.num_nodes, record["table"][0]))
         return tree
     start = time.perf_counter()
-    ranks = calibrate_ranks(model, heads, tokenizer)
+    ranks = calibrate_ranks(model, heads, tokenizer, calibration.texts, calibration.tokens)
     latency = verify_latency(model, small_rows, cache_root, refresh)
-    overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]))
+    overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]), calibration.loop_tokens)
     tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
                               max_depth=heads.config.num_heads)
     write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
@@ -191,15 +256,14 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
 
 
 def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None = None, refresh: bool = False,
-                 small_rows: Plan = 0):
+                 small_rows: Plan = 0, calibration: Calibration = Calibration()):
     """The dynamic-tree node budget with the best expected tokens/s on this machine (cached like ``auto_tree``):
     argmax over budgets n of tau(n) / (verify latency(n) + overhead(n)), where tau(n) comes from drafting along the
     backbone's own continuations and overhead(n) (drafting, acceptance, cache commit) from short generations with
-    budget n (``timed_overheads``: only of the budgets that can still win)."""
+    budget n (``timed_overheads``: only of the budgets that can still win). ``small_rows``, ``calibration``: as in
+    ``auto_tree``."""
     config = config or DynamicTreeConfig()
-    machine = machine_fingerprint(model)
-    if small_rows:  # the verifies' small-row plan: the latency is measured as they will run
-        machine = {**machine, "small_rows": plan_record(small_rows)}
+    machine = _machine(model, small_rows, calibration)
     key = calibration_key(model, heads, {**machine, "dynamic": [config.topk, config.depth, config.min_mass]})
     path = cache_path(key, cache_root)
     if path.is_file() and not refresh:
@@ -209,11 +273,13 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
                                                             _plain_row(record["latency"]["1"]), "dynamic tree"))
         return chosen
     start = time.perf_counter()
-    taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config)
+    taus, propose_s = calibrate_dynamic(model, heads, tokenizer, config, prompts=calibration.texts,
+                                        max_new_tokens=calibration.tokens)
     latency = verify_latency(model, small_rows, cache_root, refresh)
     # drafting cost grows with the budget (more levels survive the pruning): keep the overhead curve never decreasing,
     # as the latency's (a larger budget never drafts less; dips are noise)
-    measured_loop, untimed = timed_overheads(model, heads, tokenizer, config, taus, latency)
+    measured_loop, untimed = timed_overheads(model, heads, tokenizer, config, taus, latency,
+                                             max_new_tokens=calibration.loop_tokens)
     sizes = sorted(measured_loop)
     loop = dict(zip(sizes, itertools.accumulate((measured_loop[n] for n in sizes), max)))
     table = [{"nodes": n, "expected_tau": taus[n], "step_seconds": latency[n] + loop[n],
@@ -230,8 +296,8 @@ def auto_dynamic(model, heads, tokenizer, config=None, cache_root: Path | None =
     return chosen
 
 
-def timed_overheads(model, heads, tokenizer, config, taus: dict, latency: dict,
-                    margin: float = TIMING_MARGIN) -> tuple[dict, list[dict]]:
+def timed_overheads(model, heads, tokenizer, config, taus: dict, latency: dict, margin: float = TIMING_MARGIN,
+                    max_new_tokens: int = LOOP_TIMING_TOKENS) -> tuple[dict, list[dict]]:
     """The decode loop's overhead of the budgets that can still be chosen, and the rows of those that cannot.
 
     Timing a budget runs short generations, and on a slow CPU their verify forwards of up to 64 tokens cost most of a
@@ -242,12 +308,14 @@ def timed_overheads(model, heads, tokenizer, config, taus: dict, latency: dict,
     bound = {n: tau / latency[n] for n, tau in taus.items()}
     first = max(bound, key=bound.get)
     settings = {n: dataclasses.replace(config, nodes=n) for n in taus}
-    first_loop = measure_overheads(model, heads, tokenizer, {first: settings[first]}, repeats=1)[first]
+    first_loop = measure_overheads(model, heads, tokenizer, {first: settings[first]}, repeats=1,
+                                   max_new_tokens=max_new_tokens)[first]
     reach = taus[first] / (latency[first] + first_loop)
     timed = [n for n in sorted(taus) if bound[n] >= margin * reach]
     untimed = [{"nodes": n, "expected_tau": taus[n], "bound_tokens_per_s": bound[n]} for n in sorted(taus)
                if n not in timed]
-    return measure_overheads(model, heads, tokenizer, {n: settings[n] for n in timed}), untimed
+    return measure_overheads(model, heads, tokenizer, {n: settings[n] for n in timed},
+                             max_new_tokens=max_new_tokens), untimed
 
 
 # ---- what tree="auto" says ------------------------------------------------------------------------------------------
@@ -282,27 +350,36 @@ def _say(message: str) -> None:
 
 # ---- tree="auto": the calibration that fits the heads' kind ---------------------------------------------------------
 @functools.singledispatch
-def _calibrate(settings, model, heads, tokenizer, small_rows):
+def _calibrate(settings, model, heads, tokenizer, small_rows, calibration):
     raise ValueError(f"tree='auto' cannot calibrate tree settings of type {type(settings).__name__} "
                      f"(heads of kind {heads.config.kind!r})")
 
 
 @_calibrate.register
-def _(settings: Tree, model, heads, tokenizer, small_rows) -> Tree:
-    return auto_tree(model, heads, tokenizer, small_rows=small_rows)
+def _(settings: Tree, model, heads, tokenizer, small_rows, calibration) -> Tree:
+    return auto_tree(model, heads, tokenizer, small_rows=small_rows, calibration=calibration)
 
 
 @_calibrate.register
-def _(settings: DynamicTreeConfig, model, heads, tokenizer, small_rows) -> DynamicTreeConfig:
-    return auto_dynamic(model, heads, tokenizer, settings, small_rows=small_rows)
+def _(settings: DynamicTreeConfig, model, heads, tokenizer, small_rows, calibration) -> DynamicTreeConfig:
+    return auto_dynamic(model, heads, tokenizer, settings, small_rows=small_rows, calibration=calibration)
 
 
-def resolve_auto(model, heads, tokenizer, small_rows: Plan = 0):
+def resolve_auto(model, heads, tokenizer, small_rows: Plan = 0, calibration: Calibration = Calibration()):
     """The heads' tree settings chosen for this machine (calibrated once, then read from the cache); ``small_rows``:
-    the verifies' small-row plan (``small_rows.cached_small_rows``)."""
+    the verifies' small-row plan (``small_rows.cached_small_rows``); ``calibration``: how much text to calibrate on."""
     if tokenizer is None:
         raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
-    return _calibrate(heads.tree_settings(heads.config), model, heads, tokenizer, small_rows)
+    return _calibrate(heads.tree_settings(heads.config), model, heads, tokenizer, small_rows, calibration)
+
+
+def _machine(model, small_rows: Plan, calibration: Calibration) -> dict:
+    """What a calibration record is keyed by besides the backbone and heads: the machine, the verifies' small-row plan
+    (the latency is measured as they will run) and the calibration's size."""
+    machine = machine_fingerprint(model)
+    if small_rows:
+        machine = {**machine, "small_rows": plan_record(small_rows)}
+    return {**machine, "calibration": calibration.key}
 
 
 def _chat_ids(tokenizer, text: str, device: torch.device) -> torch.Tensor:

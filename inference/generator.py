@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, cpu_has_native_bf16, default_heads_path, load_backbone
 from tokenmaxx.heads.attention import shared_kv_kwargs
 
-from .autotune import resolve_auto
+from .autotune import Calibration, resolve_auto
 from .calibration_store import cpu_isa, cpu_name
 from .decoding import accept_greedy
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, check_draft_mode, make_drafter
@@ -66,11 +66,12 @@ class SpeculativeGenerator:
 
     ``draft``: "hybrid" (heads + prompt lookup, the default), "heads" or "lookup" (no heads needed). ``tree``: the
     heads' tree settings as their kind reads them (Medusa: a Tree, a list of paths, "default", "chain:K"; MTP:
-    "dynamic", "dynamic:N", "dynamic:nodes=N,topk=K,...") or None for the heads' own; "auto" (chosen for this
-    machine) goes through ``SpeculativeGenerator.create``. ``lookup``: prompt-lookup settings. ``draft_vocab``: heads
-    with a draft vocabulary guess over it. ``adaptive_budget``: the heads' and hybrid trees are sized per round from
-    this machine's verify latency and the heads' proposing time (both measured once, cached): nodes that would not pay
-    for their verify time are cut, and heads that would not pay for their proposing time sit rounds out.
+    "dynamic", "dynamic:N", "dynamic:nodes=N,topk=K,...") or None for the heads' own; "auto" or
+    "auto:prompts=N,tokens=T" (chosen for this machine) goes through ``SpeculativeGenerator.create``. ``lookup``:
+    prompt-lookup settings. ``draft_vocab``: heads with a draft vocabulary guess over it. ``adaptive_budget``: the
+    heads' and hybrid trees are sized per round from this machine's verify latency and the heads' proposing time (both
+    measured once, cached): nodes that would not pay for their verify time are cut, and heads that would not pay for
+    their proposing time sit rounds out.
     ``small_row_linears``: on a CPU whose BLAS multiplies a few rows faster as ``(W @ x^T)^T`` (timed once per
     backbone, machine and tree size, cached: ``small_rows.cached_small_rows``), verifies of the sizes that gained
     compute the backbone's linear layers that way; False: always as the model does.
@@ -80,8 +81,8 @@ class SpeculativeGenerator:
                  draft: str = DEFAULT_DRAFT, lookup: LookupConfig | None = None, draft_vocab: bool = True,
                  adaptive_budget: bool = True, small_row_linears: bool = True):
         check_draft_mode(draft, heads)
-        if isinstance(tree, str) and tree == "auto":
-            raise ValueError("tree='auto' calibrates the tree on this machine: build the generator with "
+        if Calibration.parse(tree) is not None:
+            raise ValueError(f"tree={tree!r} calibrates the tree on this machine: build the generator with "
                              "SpeculativeGenerator.create(model, heads, tokenizer=..., tree='auto') or from_pretrained")
         if heads is not None:
             heads.check_backbone(model, strict_identity=strict_identity)
@@ -103,14 +104,17 @@ class SpeculativeGenerator:
     @classmethod
     def create(cls, model, heads: DraftHeads | None, tokenizer=None, tree=None, **kwargs) -> "SpeculativeGenerator":
         """Like the constructor, and ``tree="auto"`` is resolved first: the heads' tree settings with the best
-        expected tokens/s on this machine (``autotune.resolve_auto``: calibrated once, then cached)."""
-        if isinstance(tree, str) and tree == "auto":
+        expected tokens/s on this machine (``autotune.resolve_auto``: calibrated once, then cached).
+        ``tree="auto:prompts=N,tokens=T"`` (or an ``autotune.Calibration``) calibrates on the first N of its 8 prompts,
+        T tokens each (default 8 and 128): quicker, noisier."""
+        calibration = Calibration.parse(tree)
+        if calibration is not None:
             if heads is None:
                 raise ValueError("tree='auto' tunes the heads' trees: pass heads (or draft='lookup' without a tree)")
             heads.check_backbone(model, strict_identity=kwargs.get("strict_identity", True))
             heads = _on_backbone(heads, model)
             small_rows = cached_small_rows(model) if kwargs.get("small_row_linears", True) else {}
-            tree = resolve_auto(model, heads, tokenizer, small_rows)
+            tree = resolve_auto(model, heads, tokenizer, small_rows, calibration)
         return cls(model, heads, tokenizer=tokenizer, tree=tree, **kwargs)
 
     @classmethod

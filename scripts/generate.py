@@ -48,7 +48,8 @@ class GenerateArgs:
     tree: str | None = field(default=None, metadata={
         "help": "draft tree: Medusa heads: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list "
                 "of paths or a JSON file; MTP heads: 'dynamic', 'dynamic:N' (N nodes), "
-                "'dynamic:nodes=N,topk=K,depth=D' or 'auto'; default: the heads' own"})
+                "'dynamic:nodes=N,topk=K,depth=D' or 'auto'; 'auto:prompts=N,tokens=T' calibrates on less text "
+                "(N of 8 prompts, T tokens each; quicker, noisier); default: the heads' own"})
     draft: str = field(default=DEFAULT_DRAFT, metadata={
         "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree)"})
     adaptive_budget: bool = field(default=True, metadata={

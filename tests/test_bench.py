@@ -240,6 +240,73 @@ def test_auto_tree_calibrates_once_and_caches(tmp_path, monkeypatch):
     assert gen.generate(ids, 10).sequences.tolist() == greedy_reference(model, ids, 10).tolist()
 
 
+def test_auto_calibration_size_parses_and_names_what_was_wrong():
+    """tree='auto:prompts=N,tokens=T' asks for a smaller calibration; other tree settings are not tree='auto'; bad
+    sizes and keys are one clear error each."""
+    from tokenmaxx.inference.autotune import CALIBRATION_PROMPTS, Calibration, is_auto
+
+    assert Calibration.parse("auto") == Calibration() and Calibration().texts == CALIBRATION_PROMPTS
+    assert Calibration.parse("auto:prompts=2,tokens=16") == Calibration(prompts=2, tokens=16)
+    assert Calibration.parse("auto: tokens=32 ") == Calibration(tokens=32) and Calibration(tokens=32).key == [8, 32]
+    small = Calibration(prompts=3)
+    assert Calibration.parse(small) is small and small.texts == CALIBRATION_PROMPTS[:3] and small.loop_tokens == 48
+    assert Calibration(tokens=16).loop_tokens == 16
+    for other in (None, "default", "dynamic:8", "chain:3", "autotune", Tree([(0,), (0, 0)]), [[0], [0, 0]]):
+        assert Calibration.parse(other) is None and not is_auto(other)
+    for spec, message in (("auto:prompts=0", r"prompts must be an integer in \[1, 8\], got 0"),
+                          ("auto:prompts=9", r"prompts must be an integer in \[1, 8\], got 9"),
+                          ("auto:tokens=4", r"tokens must be an integer in \[8, 4096\], got 4"),
+                          ("auto:prompts=two", r"prompts must be an integer, got 'two'"),
+                          ("auto:nodes=8", r"expected 'auto' or 'auto:prompts=N,tokens=T'.*got 'nodes=8'"),
+                          ("auto:prompts", r"expected 'auto' or 'auto:prompts=N,tokens=T'.*got 'prompts'"),
+                          ("auto:prompts=2,prompts=3", r"each key at most once")):
+        with pytest.raises(ValueError, match=message):
+            Calibration.parse(spec)
+    with pytest.raises(ValueError, match=r"prompts must be an integer in \[1, 8\], got True"):
+        Calibration(prompts=True)
+
+
+def test_a_smaller_auto_calibration_drafts_on_less_text_and_is_cached_apart(tmp_path, monkeypatch):
+    """tree='auto:prompts=1,tokens=16' calibrates on the first prompt's 16-token continuation and times the decode
+    loop on 16-token generations (the default: every prompt, 128 tokens, 48-token timings); the two sizes are cached
+    under different keys, and the generator's tree='auto:...' reads its own size's record."""
+    from tokenmaxx.inference import SpeculativeGenerator
+    from tokenmaxx.inference import autotune
+
+    model, tok = tiny_model("qwen2", seed=12), tiny_tokenizer()
+    model.generation_config.eos_token_id = None
+    heads = random_heads(model)
+    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.", "name a colour."))
+    loop_tokens, decode = [], autotune.speculative_decode
+
+    def spy(model, drafter, ids, max_new_tokens, *args, **kwargs):
+        loop_tokens.append(max_new_tokens)
+        return decode(model, drafter, ids, max_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(autotune, "speculative_decode", spy)
+    small = autotune.Calibration(prompts=1, tokens=16)
+    tree = autotune.auto_tree(model, heads, tok, calibration=small)
+    [path] = [f for f in (tmp_path / "calibration").glob("*.json") if not f.name.startswith("latency-")]
+    record = json.loads(path.read_text())
+    assert record["positions"] == 16 + 1 and record["machine"]["calibration"] == [1, 16]  # one prompt, 16 tokens
+    assert loop_tokens and set(loop_tokens) == {16}
+    loop_tokens.clear()
+    autotune.auto_tree(model, heads, tok)  # the default size is not read from the small one's record
+    files = [f for f in (tmp_path / "calibration").glob("*.json") if not f.name.startswith("latency-")]
+    [default] = [json.loads(f.read_text()) for f in files if f != path]
+    assert default["positions"] == 2 * (128 + 1) and default["machine"]["calibration"] == [2, 128]
+    assert set(loop_tokens) == {48}
+    monkeypatch.setattr(autotune, "calibrate_ranks", lambda *a, **k: pytest.fail("calibrated again"))
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto:prompts=1,tokens=16", draft="heads",
+                                      small_row_linears=False)  # calibrated above as for verifies without them
+    assert gen.tree_settings == tree
+    with pytest.raises(ValueError, match=r"tree='auto:prompts=1' calibrates the tree on this machine"):
+        SpeculativeGenerator(model, heads, tokenizer=tok, tree="auto:prompts=1", draft="heads")
+    with pytest.raises(ValueError, match=r"tokens must be an integer in \[8, 4096\], got 2"):
+        SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto:tokens=2", draft="heads")
+
+
 def test_auto_tree_says_what_it_chose_and_why(tmp_path, monkeypatch, capsys):
     """tree='auto' shows its progress on stderr and ends in one line on what it chose and why; when no tree beats
     plain decoding (every extra node costs a second here) it says drafting is off, with the numbers; a cached choice

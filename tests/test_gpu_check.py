@@ -62,7 +62,8 @@ def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
     assert {"mtp", "mtp_hybrid", "medusa", "medusa_hybrid", "lookup"} <= set(identity)
     assert all(m["overall"]["identical_rate"] == 1.0 for m in identity.values())
     bench = json.loads((out / "bench.json").read_text())
-    assert {"baseline", "prompt_lookup", "mtp", "mtp_hybrid", "lookup", "mtp:auto"} <= set(bench["methods"])
+    assert {"baseline", "prompt_lookup", "mtp", "mtp_hybrid", "lookup", "mtp:auto:prompts=2,tokens=16"} \
+        <= set(bench["methods"])
     assert set(json.loads((out / "latency.json").read_text())["ms"]) == {"1", "2", "4", "8"}
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and all(p.is_file() for p in out.iterdir())  # what a device call can bring back

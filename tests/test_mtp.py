@@ -327,8 +327,9 @@ def test_auto_budget_times_only_the_budgets_that_can_win(monkeypatch):
     overhead = {4: 0.010, 8: 0.012, 16: 0.015, 32: 0.02, 64: 0.03}
     calls = []
 
-    def fake_overheads(model, heads, tokenizer, trees, repeats=3):
+    def fake_overheads(model, heads, tokenizer, trees, repeats=3, max_new_tokens=48):
         calls.append((sorted(trees), repeats))
+        assert max_new_tokens == 48
         assert all(tree.nodes == n for n, tree in trees.items())
         return {n: overhead[n] for n in trees}
 
@@ -397,3 +398,37 @@ def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypat
     choice = line.removeprefix("tree='auto': ").split(" (calibrated in")[0]
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tree='auto'")]
     assert said == [f"tree='auto': read from cache {files[0]}: {choice}"]  # (beside the generator's latency timing)
+
+
+def test_auto_budget_calibrates_on_the_size_asked_for(tmp_path, monkeypatch):
+    """tree='auto:prompts=N,tokens=T' with MTP heads: tau is measured along the first N prompts' T-token
+    continuations, the decode loop timed on min(T, 48)-token generations, and the record cached under its size."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from tokenmaxx.inference import autotune
+
+    model, tok = tiny_model("llama", seed=12), tiny_tokenizer()
+    heads = random_mtp(model)
+    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path / "cache"))
+    asked = {}
+
+    def fake_calibrate(model, heads, tokenizer, config, prompts=None, max_new_tokens=128):
+        asked.update(prompts=prompts, tokens=max_new_tokens)
+        return dict.fromkeys(autotune.DYNAMIC_BUDGETS, 1.5), 0.001
+
+    def fake_overheads(model, heads, tokenizer, config, taus, latency, max_new_tokens=48):
+        asked["loop_tokens"] = max_new_tokens
+        return dict.fromkeys(taus, 0.001), []
+
+    monkeypatch.setattr(autotune, "calibrate_dynamic", fake_calibrate)
+    monkeypatch.setattr(autotune, "timed_overheads", fake_overheads)
+    monkeypatch.setattr(autotune, "verify_latency", lambda *a, **k: {n: 0.01 * (1 + n / 64) for n in
+                                                                     (1, *autotune.DYNAMIC_BUDGETS)})
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto:prompts=3,tokens=24", draft="heads",
+                                      small_row_linears=False, adaptive_budget=False)
+    assert asked == {"prompts": autotune.CALIBRATION_PROMPTS[:3], "tokens": 24, "loop_tokens": 24}
+    assert isinstance(gen.tree_settings, DynamicTreeConfig)
+    autotune.auto_dynamic(model, heads, tok, calibration=autotune.Calibration(), cache_root=tmp_path)
+    assert asked == {"prompts": autotune.CALIBRATION_PROMPTS, "tokens": 128, "loop_tokens": 48}
+    records = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
+    assert [r["machine"]["calibration"] for r in records] == [[8, 128]]
