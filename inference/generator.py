@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, cpu_has_native_bf16, default_heads_path, load_backbone
 from tokenmaxx.heads.attention import shared_kv_kwargs
 
-from .autotune import Calibration, resolve_auto
+from .autotune import Calibration, is_auto, resolve_auto
 from .calibration_store import cpu_isa, cpu_name
 from .decoding import accept_greedy
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, check_draft_mode, make_drafter
@@ -81,7 +81,7 @@ class SpeculativeGenerator:
                  draft: str = DEFAULT_DRAFT, lookup: LookupConfig | None = None, draft_vocab: bool = True,
                  adaptive_budget: bool = True, small_row_linears: bool = True):
         check_draft_mode(draft, heads)
-        if Calibration.parse(tree) is not None:
+        if is_auto(tree):
             raise ValueError(f"tree={tree!r} calibrates the tree on this machine: build the generator with "
                              "SpeculativeGenerator.create(model, heads, tokenizer=..., tree='auto') or from_pretrained")
         if heads is not None:
