@@ -18,14 +18,16 @@
 # Knobs (environment): PARTS (parts to answer, default 6), STAGE (run up to this stage: prompts | answers | merge |
 # train; default train; or stash), DEVICE (auto), DTYPE (the answers' dtype; default auto: bfloat16 on a GPU or a CPU
 # with native bf16, float32 on a CPU without; a part keeps the dtype it was started with), TRAIN_DTYPE (the training's
-# dtype, bfloat16 | float32; default the same rule: a CPU without native bf16 emulates it several times slower), EXCLUDE (benchmark prompts never trained on, default ../shared/bench),
-# RUN, EXPORT, MIX (prompts and working folders), KEPT (the committed parts), JOBS (parts answered at once; 2 on a CPU
-# of <= 4 cores, else 1), NPROC (training processes, default JOBS), DRAFT_VOCAB (16384), SAVE_EVERY (50 steps), KIND (eagle3, or mtp: the same
-# data and recipe for the MTP kind, which learned faster on this backbone and made the shipped default heads;
-# docs/benchmarks.md, session 16). Costs on the 2-core CPU: the mix builds in ~1.5 min; answers ~105 tokens/s in one
-# process (the mix's prompts are long: multi-turn context, passages), ~55 min a part on the Xeon; on an AVX2-only EPYC
-# (no native bf16) ~27 tokens/s per one-thread process in fp32 (bf16 there: 11), ~3.5 h a part; on a GPU (DEVICE=cuda)
-# minutes in all. docs/benchmarks.md has the measured figures.
+# dtype, bfloat16 | float32; default the same rule: a CPU without native bf16 emulates it several times slower), EXCLUDE
+# (benchmark prompts never trained on, default ../shared/bench), RUN, EXPORT, MIX (prompts and working folders), KEPT
+# (the committed parts), JOBS (parts answered at once; 2 on a CPU of <= 4 cores, else 1), NPROC (training processes,
+# default JOBS), DRAFT_VOCAB (16384), SAVE_EVERY (50 steps), DYNAMIC_TREE (the exported serving tree; default
+# dynamic:nodes=8,topk=8,min_mass=0.5, empty = the library's 32 nodes), KIND (eagle3, or mtp: the same data and recipe
+# for the MTP kind, which learned faster on this backbone and made the shipped default heads; docs/benchmarks.md,
+# session 16). Costs on the 2-core CPU: the mix builds in ~1.5 min; answers ~105 tokens/s in one process (the mix's
+# prompts are long: multi-turn context, passages), ~55 min a part on the Xeon; on an AVX2-only EPYC (no native bf16) ~27
+# tokens/s per one-thread process in fp32 (bf16 there: 11), ~3.5 h a part; on a GPU (DEVICE=cuda) minutes in all.
+# docs/benchmarks.md has the measured figures.
 set -euo pipefail
 shopt -s nullglob  # a pattern that matches nothing is no word (the stash's shard and batch lists)
 cd "$(dirname "$0")/.."
@@ -46,6 +48,9 @@ THREADS=$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))
 NPROC=${NPROC:-$JOBS}  # training processes (torchrun); one thread each on a small CPU, for the same reason
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}  # the heads' draft vocabulary, also the loss's (see RECIPE: 8192 trains ~1.5x faster)
 SAVE_EVERY=${SAVE_EVERY:-50}  # steps between checkpoints: ~10 min of fp32 training on a 2-core AVX2 CPU (12.5 s a step)
+# the serving tree written into the exported config (the shipped heads' node budget; tree="auto" re-tunes per machine);
+# empty: the library default (32 nodes)
+DYNAMIC_TREE=${DYNAMIC_TREE-dynamic:nodes=8,topk=8,min_mass=0.5}
 
 # 1. prompts (deterministic: the same parts on every machine)
 if [ ! -f "$MIX/mix.json" ]; then
@@ -150,7 +155,7 @@ ARGS=(--data "$MIX/merged" --backbone smollm2-135m --dtype "$TRAIN_DTYPE" --devi
       --kind "$KIND" --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum $((4 / NPROC)) --epochs 3 --lr 1e-3
       --warmup 100 --loss ce --head_decay 0.8 --draft_vocab_size "$DRAFT_VOCAB" --loss_vocab draft
       --feature_cache "$RUN/features" --save_every "$SAVE_EVERY" --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT"
-      "${RESUME[@]}")
+      ${DYNAMIC_TREE:+--dynamic_tree "$DYNAMIC_TREE"} "${RESUME[@]}")
 if [ "$NPROC" -gt 1 ]; then
   OMP_NUM_THREADS=$THREADS "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" scripts/train_heads.py "${ARGS[@]}"
 else

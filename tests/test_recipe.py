@@ -12,15 +12,17 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "scripts" / "recipe_eagle3.sh"
 
 STUB = r"""#!/usr/bin/env bash
-# python stand-in: logs the script (and the dtype asked for); make_data notes the shards it starts from, merge_data
-# writes a finished part
+# python stand-in: logs the script (and the dtype asked for; train_heads: all its flags); make_data notes the shards it
+# starts from, merge_data writes a finished part
 script=$1; shift
+[ "$script" = scripts/train_heads.py ] && echo "$*" > "$STUB_LOG.train"
 out= dtype=
 while [ $# -gt 0 ]; do [ "$1" = --output_dir ] && out=$2; [ "$1" = --dtype ] && dtype=$2; shift; done
 echo "$script $out $dtype" >> "$STUB_LOG"
 case "$script" in
   scripts/make_data.py) mkdir -p "$out/shards" && ls "$out/shards" > "$out.started_from" ;;
   scripts/merge_data.py) mkdir -p "$out" && echo '{}' > "$out/provenance.json" ;;
+  scripts/train_heads.py) ;;
   *) exit 3 ;;
 esac
 """
@@ -129,3 +131,19 @@ def test_a_stash_of_a_part_that_finished_meanwhile_is_dropped(recipe):
     (kept / "part-000" / "provenance.json").write_text("{}")  # the part is kept: finished
     run("stash")
     assert not (kept / "unfinished").exists()
+
+
+def test_the_training_stage_exports_the_shipped_serving_tree_unless_told_otherwise(recipe):
+    """The exported heads carry the node budget the shipped ones have (DYNAMIC_TREE; empty: the library default), so
+    shipping a run's heads needs no hand edit of its config."""
+    mix, kept, run = recipe
+    train = mix.parent / "log.train"
+    run("train", TRAIN_DTYPE="float32", KIND="mtp")
+    flags = train.read_text().split()
+    assert flags[flags.index("--dynamic_tree") + 1] == "dynamic:nodes=8,topk=8,min_mass=0.5"
+    assert flags[flags.index("--kind") + 1] == "mtp" and "--resume" not in flags
+    run("train", TRAIN_DTYPE="float32", DYNAMIC_TREE="dynamic:nodes=4")
+    flags = train.read_text().split()
+    assert flags[flags.index("--dynamic_tree") + 1] == "dynamic:nodes=4"
+    run("train", TRAIN_DTYPE="float32", DYNAMIC_TREE="")
+    assert "--dynamic_tree" not in train.read_text().split()

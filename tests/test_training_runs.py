@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import head_state, make_cfg
 
-from tokenmaxx.heads import DraftHeads, Eagle3Heads, MTPHeads, load_backbone
+from tokenmaxx.heads import DraftHeads, DynamicTreeConfig, Eagle3Heads, MTPHeads, load_backbone
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.checkpoints import CheckpointMismatchError, check_identity
@@ -141,16 +141,26 @@ def test_train_mtp_heads_resume_and_export(tmp_path, backbone_dir, data_dir):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # backbone bit-identical
     assert len(straight.metrics["head_top1"]) == 4 and straight.metrics["eval_positions"] > 0  # held-out metrics
     first = train(make_cfg(data_dir, tmp_path / "b", **mtp), model=model, stop_after=3)
-    resumed = train(make_cfg(data_dir, tmp_path / "b", resume=True, **mtp), model=model)
+    # the serving tree is the export's alone: a resume may set it, and the weights stay bit-identical
+    resumed = train(make_cfg(data_dir, tmp_path / "b", resume=True, dynamic_tree="dynamic:nodes=6,topk=3", **mtp),
+                    model=model)
     assert first.losses + resumed.losses == straight.losses
     a, b = head_state(straight.export_dir), head_state(resumed.export_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert DraftHeads.from_pretrained(straight.export_dir).config.dynamic_tree is None  # unset: library default
     heads = DraftHeads.from_pretrained(resumed.export_dir)
+    assert heads.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3)
+    assert heads.drafter(model).config == DynamicTreeConfig(nodes=6, topk=3)  # what generation drafts with
     assert isinstance(heads, MTPHeads) and heads.config.num_heads == 4 and heads.config.num_layers == 1
     assert heads.config.layer_config["model_type"] == model.config.model_type == "llama"
     assert heads.config.extra["training"]["kind"] == "mtp" and heads.config.backbone == str(backbone_dir)
     with pytest.raises(CheckpointMismatchError, match=r"another head shape \(kind: checkpoint 'mtp', this run 'medus"):
         train(make_cfg(data_dir, tmp_path / "b", resume=True), model=model)
+    with pytest.raises(ValueError, match=r"--dynamic_tree is the serving tree of sequential heads \(kinds \['eagle3', "
+                                         r"'mtp'\]\); --kind medusa drafts the static tree of its config"):
+        make_cfg(data_dir, tmp_path / "c", kind="medusa", dynamic_tree="dynamic:8")
+    with pytest.raises(ValueError, match=r"bad dynamic tree spec 'dynamic:nodes=8,width=2' \(width\): expected "):
+        make_cfg(data_dir, tmp_path / "c", kind="mtp", dynamic_tree="dynamic:nodes=8,width=2")
 
 
 def test_train_eagle3_heads_from_three_cached_layers(tmp_path, backbone_dir, data_dir):

@@ -15,6 +15,8 @@ from typing import Any
 
 from tokenmaxx.heads import DEFAULT_HEAD_KIND, HEAD_KINDS
 from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
+from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
+from tokenmaxx.heads.sequential import SequentialHeads
 
 DEFAULT_DS_CONFIG = str(Path(__file__).with_name("ds_config.json"))
 LOSSES = ("ce", "kl", "ce+kl")
@@ -83,6 +85,12 @@ class TrainConfig:
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "give the exported heads a draft vocabulary: the N most frequent tokens of the training sequences "
                 "(drafting then projects onto those + the prompt's tokens: much cheaper guesses); unset = all tokens"})
+
+    dynamic_tree: str | None = field(default=None, metadata={
+        "help": "the serving tree written into the exported heads' config (sequential kinds: mtp, eagle3): "
+                "'dynamic:N' (N nodes) or 'dynamic:nodes=N,topk=K,depth=D,min_mass=M' (any subset); unset: the "
+                "library's default (32 nodes). Only the export reads it: a resume may change it. tree='auto' "
+                "measures the best one on a given machine"})
 
     # ---- objective -----------------------------------------------------------------------------------------------
     loss_vocab: str = field(default="full", metadata={
@@ -153,6 +161,12 @@ class TrainConfig:
         if not HEAD_KINDS[self.kind].own_lm_head and not self.share_lm_head:
             raise ValueError(f"--kind {self.kind} always projects with the backbone's frozen lm_head: "
                              "--share_lm_head must be true")
+        if self.dynamic_tree is not None:
+            if not issubclass(HEAD_KINDS[self.kind], SequentialHeads):
+                raise ValueError(f"--dynamic_tree is the serving tree of sequential heads (kinds "
+                                 f"{sorted(k for k, c in HEAD_KINDS.items() if issubclass(c, SequentialHeads))}); "
+                                 f"--kind {self.kind} drafts the static tree of its config")
+            DynamicTreeConfig.parse(self.dynamic_tree)  # one error naming the bad spec and the expected forms
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
         if self.loss_vocab not in LOSS_VOCABS:

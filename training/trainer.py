@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tokenmaxx.heads import HEAD_KINDS, HeadsConfig, backbone_identity, load_backbone
+from tokenmaxx.heads import HEAD_KINDS, DynamicTreeConfig, HeadsConfig, backbone_identity, load_backbone
 from tokenmaxx.heads.tree import parse_tree
 from tokenmaxx.inference.calibration_store import cpu_isa, cpu_name, device_name
 from tokenmaxx.inference.timing import clock
@@ -236,9 +236,11 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     check_frozen_backbone(model, cfg, data, device)
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
-    layers = {"feature_layers": list(cfg.feature_layers)} if cfg.feature_layers else {}
+    settings = {"feature_layers": list(cfg.feature_layers)} if cfg.feature_layers else {}
+    if cfg.dynamic_tree:  # the serving tree the export carries (not part of the checkpoint identity)
+        settings["dynamic_tree"] = DynamicTreeConfig.parse(cfg.dynamic_tree)
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                              share_lm_head=cfg.share_lm_head, **layers)
+                                              share_lm_head=cfg.share_lm_head, **settings)
     tree = parse_tree(heads.config.tree, cfg.num_heads)
     vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None)
