@@ -5,7 +5,8 @@
 
 Without --heads: the heads shipped for --backbone. The rows are those a training run on --data holds out (the same
 split for the same --seq_len / --eval_fraction / --eval_max_examples / --seed as train_heads), or every row with
---split all. Two sets of heads evaluated with the same flags are scored on the same rows: the way to compare kinds or
+--split all; with --unseen_by HEADS only rows of parts those heads never trained on are held out (the split of a run
+started from them with train_heads --init_heads). Two sets of heads evaluated with the same flags are scored on the same rows: the way to compare kinds or
 recipes without a bench. Bad input ends in one `error:` line and exit status 2 (--debug: the traceback).
 """
 
@@ -22,6 +23,7 @@ from tokenmaxx.heads import load_backbone
 from tokenmaxx.heads.backbones import DEVICE_HELP
 from tokenmaxx.heads.pretrained import resolve_heads
 from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.training.batches import trained_parts
 from tokenmaxx.training.checkpoints import atomic_write_text
 from tokenmaxx.training.evaluation import SPLITS, VOCABS, evaluate_heads
 
@@ -41,6 +43,10 @@ class EvalArgs:
     eval_fraction: float = field(default=0.05, metadata={"help": "as train_heads --eval_fraction"})
     eval_max_examples: int = field(default=256, metadata={"help": "as train_heads --eval_max_examples"})
     seed: int = field(default=0, metadata={"help": "as train_heads --seed"})
+    unseen_by: str | None = field(default=None, metadata={
+        "help": "heads folder / Hub id: hold out only rows of parts those heads were not trained on, as train_heads "
+                "--init_heads does with them (reproduces a warm-started run's split; scores other heads on rows "
+                "new to these)"})
     micro_batch_size: int = field(default=4, metadata={"help": "sequences per backbone forward"})
     dtype: str = field(default="bfloat16", metadata={"help": "backbone and heads dtype: bfloat16 or float32"})
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
@@ -83,9 +89,13 @@ def main(argv=None) -> int:
     model, _ = load_backbone(backbone, dtype=args.dtype, device=args.device)
     if heads is None:
         heads = resolve_heads(args.heads, model, backbone)
+    seen = trained_parts(DraftHeads.from_pretrained(args.unseen_by).config) if args.unseen_by else ()
+    if args.unseen_by and not seen:
+        raise ValueError(f"--unseen_by {args.unseen_by}: those heads record no training data, so no row can be "
+                         "known to be new to them")
     metrics = evaluate_heads(heads, model, args.data, split=args.split, vocab=args.vocab, seq_len=args.seq_len,
                              eval_fraction=args.eval_fraction, eval_max_examples=args.eval_max_examples,
-                             seed=args.seed, micro_batch_size=args.micro_batch_size)
+                             seed=args.seed, micro_batch_size=args.micro_batch_size, seen_parts=seen)
     metrics = {"heads": args.heads or f"shipped ({backbone})", "kind": heads.config.kind, "data": args.data,
                **metrics}
     print(f"{metrics['kind']} heads {metrics['heads']} on {args.data} ({args.split} rows, {metrics['vocab']} "

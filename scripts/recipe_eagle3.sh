@@ -22,7 +22,8 @@
 # (benchmark prompts never trained on, default ../shared/bench), RUN, EXPORT, MIX (prompts and working folders), KEPT
 # (the committed parts), JOBS (parts answered at once; 2 on a CPU of <= 4 cores, else 1), NPROC (training processes,
 # default JOBS), DRAFT_VOCAB (16384), SAVE_EVERY (50 steps), DYNAMIC_TREE (the exported serving tree; default
-# dynamic:nodes=8,topk=8,min_mass=0.5, empty = the library's 32 nodes), KIND (eagle3, or mtp: the same data and recipe
+# dynamic:nodes=8,topk=8,min_mass=0.5, empty = the library's 32 nodes), EPOCHS (3), LR (1e-3), WARMUP (100),
+# INIT_HEADS (start from these trained heads), KIND (eagle3, or mtp: the same data and recipe
 # for the MTP kind, which learned faster on this backbone and made the shipped default heads; docs/benchmarks.md,
 # session 16). Costs on the 2-core CPU: the mix builds in ~1.5 min; answers ~105 tokens/s in one process (the mix's
 # prompts are long: multi-turn context, passages), ~55 min a part on the Xeon; on an AVX2-only EPYC (no native bf16) ~27
@@ -51,6 +52,13 @@ SAVE_EVERY=${SAVE_EVERY:-50}  # steps between checkpoints: ~10 min of fp32 train
 # the serving tree written into the exported config (the shipped heads' node budget; tree="auto" re-tunes per machine);
 # empty: the library default (32 nodes)
 DYNAMIC_TREE=${DYNAMIC_TREE-dynamic:nodes=8,topk=8,min_mass=0.5}
+# training from scratch: 3 epochs, peak lr 1e-3 after 100 warm-up steps; INIT_HEADS (a heads folder / Hub id) starts
+# from trained heads instead (train_heads --init_heads: held-out rows only from parts they never saw), e.g. the
+# shipped ones on more parts, with fewer EPOCHS and a lower LR
+EPOCHS=${EPOCHS:-3}
+LR=${LR:-1e-3}
+WARMUP=${WARMUP:-100}
+INIT_HEADS=${INIT_HEADS:-}
 
 # 1. prompts (deterministic: the same parts on every machine)
 if [ ! -f "$MIX/mix.json" ]; then
@@ -152,10 +160,10 @@ fi
 RESUME=()
 if [ -f "$RUN/checkpoints/latest" ]; then RESUME=(--resume); fi
 ARGS=(--data "$MIX/merged" --backbone smollm2-135m --dtype "$TRAIN_DTYPE" --device "$DEVICE"
-      --kind "$KIND" --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum $((4 / NPROC)) --epochs 3 --lr 1e-3
-      --warmup 100 --loss ce --head_decay 0.8 --draft_vocab_size "$DRAFT_VOCAB" --loss_vocab draft
+      --kind "$KIND" --num_heads 4 --seq_len 768 --micro_batch_size 8 --grad_accum $((4 / NPROC)) --epochs "$EPOCHS"
+      --lr "$LR" --warmup "$WARMUP" --loss ce --head_decay 0.8 --draft_vocab_size "$DRAFT_VOCAB" --loss_vocab draft
       --feature_cache "$RUN/features" --save_every "$SAVE_EVERY" --eval_every 1000 --output_dir "$RUN" --export_dir "$EXPORT"
-      ${DYNAMIC_TREE:+--dynamic_tree "$DYNAMIC_TREE"} "${RESUME[@]}")
+      ${DYNAMIC_TREE:+--dynamic_tree "$DYNAMIC_TREE"} ${INIT_HEADS:+--init_heads "$INIT_HEADS"} "${RESUME[@]}")
 if [ "$NPROC" -gt 1 ]; then
   OMP_NUM_THREADS=$THREADS "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" scripts/train_heads.py "${ARGS[@]}"
 else

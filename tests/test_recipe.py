@@ -133,15 +133,20 @@ def test_a_stash_of_a_part_that_finished_meanwhile_is_dropped(recipe):
     assert not (kept / "unfinished").exists()
 
 
-def test_the_training_stage_exports_the_shipped_serving_tree_unless_told_otherwise(recipe):
+def test_the_training_stage_exports_the_shipped_serving_tree_and_can_start_from_trained_heads(recipe):
     """The exported heads carry the node budget the shipped ones have (DYNAMIC_TREE; empty: the library default), so
-    shipping a run's heads needs no hand edit of its config."""
+    shipping a run's heads needs no hand edit of its config; INIT_HEADS / EPOCHS / LR continue from trained heads."""
     mix, kept, run = recipe
     train = mix.parent / "log.train"
     run("train", TRAIN_DTYPE="float32", KIND="mtp")
     flags = train.read_text().split()
     assert flags[flags.index("--dynamic_tree") + 1] == "dynamic:nodes=8,topk=8,min_mass=0.5"
-    assert flags[flags.index("--kind") + 1] == "mtp" and "--resume" not in flags
+    assert flags[flags.index("--kind") + 1] == "mtp" and "--resume" not in flags and "--init_heads" not in flags
+    assert (flags[flags.index("--epochs") + 1], flags[flags.index("--lr") + 1]) == ("3", "1e-3")
+    run("train", TRAIN_DTYPE="float32", INIT_HEADS="heads/pretrained/smollm2-135m", EPOCHS="1", LR="3e-4")
+    flags = train.read_text().split()  # more parts on top of the shipped heads
+    assert flags[flags.index("--init_heads") + 1] == "heads/pretrained/smollm2-135m"
+    assert (flags[flags.index("--epochs") + 1], flags[flags.index("--lr") + 1]) == ("1", "3e-4")
     run("train", TRAIN_DTYPE="float32", DYNAMIC_TREE="dynamic:nodes=4")
     flags = train.read_text().split()
     assert flags[flags.index("--dynamic_tree") + 1] == "dynamic:nodes=4"

@@ -430,3 +430,75 @@ def test_cli_help_explains_every_flag():
     for f in dataclasses.fields(TrainConfig):
         assert f.metadata.get("help"), f"--{f.name} has no help text"
         assert f"--{f.name}" in out.stdout and " ".join(f.metadata["help"].split()[:4]) in text, f.name
+
+
+def _two_parts(data_dir: Path, out: Path) -> tuple[Path, Path]:
+    """The tiny data as two make_data parts (rows 0-19; rows 20-39 plus a copy of row 0, as a prompt answered in two
+    parts would be), merged as the recipe does: the first part alone, and both."""
+    import datasets
+
+    from tokenmaxx.training.merge_data import merge_data
+
+    rows = datasets.load_from_disk(str(data_dir))
+    provenance = json.loads((data_dir / "provenance.json").read_text())
+    parts = []
+    for name, index in (("first", list(range(20))), ("second", list(range(20, 40)) + [0])):
+        path = out / name
+        rows.select(index).save_to_disk(str(path))
+        (path / "provenance.json").write_text(json.dumps({**provenance, "num_records": len(index),
+                                                          "prompts_sha256": name * 8}))
+        parts.append(path)
+    merge_data(parts[:1], out / "a")
+    merge_data(parts, out / "ab")
+    return out / "a", out / "ab"
+
+
+def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to_them(tmp_path, backbone_dir,
+                                                                                      data_dir):
+    """--init_heads: the run starts from the trained heads' weights (its first loss is theirs, well below a fresh
+    start's); its held-out rows come only from the part those heads never trained on, never a copy of a row they saw;
+    the export records what it started from and every part seen, so a later run from it excludes both parts;
+    evaluate_heads with the same seen parts reproduces the run's held-out record; a resume must start from heads that
+    saw the same parts; heads of another shape, or data with nothing new, are one error each."""
+    from tokenmaxx.training.batches import trained_parts
+    from tokenmaxx.training.evaluation import evaluate_heads
+
+    data_a, data_ab = _two_parts(data_dir, tmp_path)
+    model, _ = load_backbone(str(backbone_dir))
+    run = dict(kind="mtp", eval_fraction=0.5, max_steps=6, save_every=0)
+    first = train(make_cfg(data_a, tmp_path / "first", **run), model=model)
+    first_heads = DraftHeads.from_pretrained(first.export_dir)
+    assert trained_parts(first_heads.config) == ["first" * 8]
+
+    split = dict(seq_len=48, eval_fraction=0.5, eval_max_examples=256, seed=0)
+    plain = load_data(data_ab, **split)
+    assert any(r < 20 for r in plain.eval)  # a fresh run would hold out rows the first heads trained on
+    warm_data = load_data(data_ab, **split, seen_parts=["first" * 8])
+    assert warm_data.eval == list(range(20, 40))  # all of the new part but the copy of row 0 (row 40)
+    assert warm_data.train == list(range(20)) + [40] and warm_data.fingerprint == plain.fingerprint
+    assert load_data(data_ab, **split, seen_parts=["other"]).eval == plain.eval  # no shared part: the usual split
+
+    warm = train(make_cfg(data_ab, tmp_path / "warm", init_heads=str(first.export_dir), **run), model=model)
+    fresh = train(make_cfg(data_ab, tmp_path / "fresh", **run), model=model)
+    assert warm.losses[0] < 0.9 * fresh.losses[0], (warm.losses, fresh.losses)
+    warm_heads = DraftHeads.from_pretrained(warm.export_dir)
+    extra = warm_heads.config.extra
+    assert extra["init_heads"]["source"] == str(first.export_dir) and extra["init_heads"]["seen_parts"] == ["first" * 8]
+    assert extra["seen_parts"] == sorted(["first" * 8, "second" * 8]) and extra["data"]["eval_examples"] == 20
+    found = evaluate_heads(warm_heads, model, data_ab, **split, seen_parts=trained_parts(first_heads.config))
+    assert found["examples"] == 20 and found["eval_positions"] == warm.metrics["eval_positions"]
+    assert found["head_top1"] == pytest.approx(warm.metrics["head_top1"], abs=2e-4)
+
+    resumable = dict(run, max_steps=4, save_every=2)
+    train(make_cfg(data_ab, tmp_path / "stopped", init_heads=str(first.export_dir), **resumable), model=model,
+          stop_after=2)
+    with pytest.raises(CheckpointMismatchError, match=r"seen_parts: checkpoint \['firstfirst"):
+        train(make_cfg(data_ab, tmp_path / "stopped", resume=True, **resumable), model=model)
+    resumed = train(make_cfg(data_ab, tmp_path / "stopped", resume=True, init_heads=str(first.export_dir),
+                             **resumable), model=model)
+    assert resumed.steps == 4
+    with pytest.raises(ValueError, match=r"every row of .*ab comes from parts the initial heads were trained on"):
+        train(make_cfg(data_ab, tmp_path / "again", init_heads=str(warm.export_dir), **run), model=model)
+    with pytest.raises(ValueError, match=r"do not fit this run \(num_heads: theirs 4, this run 3\): give the flags"):
+        train(make_cfg(data_ab, tmp_path / "shape", init_heads=str(first.export_dir), **{**run, "num_heads": 3}),
+              model=model)

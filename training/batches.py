@@ -16,7 +16,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 import torch
@@ -103,6 +103,54 @@ def read_provenance(data_dir: Path) -> dict:
     return {}
 
 
+def provenance_parts(provenance: dict) -> list[dict]:
+    """The make_data records a dataset's provenance is made of, in row order (a merge lists its parts under ``parts``,
+    each maybe a merge itself; make_data's own record has none)."""
+    if isinstance(provenance.get("parts"), list) and provenance["parts"]:
+        return [leaf for part in provenance["parts"] for leaf in provenance_parts(part)]
+    return [provenance] if provenance else []
+
+
+def part_digests(provenance: dict) -> list[str]:
+    """The prompts digests (make_data's ``prompts_sha256``) of the parts a dataset was answered from: what identifies a
+    part across copies and merges."""
+    return [leaf["prompts_sha256"] for leaf in provenance_parts(provenance) if leaf.get("prompts_sha256")]
+
+
+def trained_parts(heads_config) -> list[str]:
+    """The prompts digests of every part trained heads have seen: what their run recorded (``seen_parts``: its data's
+    parts and those of the heads it started from), else the parts of their data's provenance; empty when they record
+    no data."""
+    extra = heads_config.extra if isinstance(heads_config.extra, dict) else {}
+    if isinstance(extra.get("seen_parts"), list):
+        return list(extra["seen_parts"])
+    data = extra.get("data") if isinstance(extra.get("data"), dict) else {}
+    return part_digests(data.get("provenance") or {})
+
+
+def _unseen_rows(path: Path, provenance: dict, rows: list[int], num_rows: int, contents: dict[int, bytes],
+                 seen_parts: frozenset[str]) -> list[int]:
+    """Those of ``rows`` from parts outside ``seen_parts`` whose tokens are not also a row of a seen part."""
+    leaves = provenance_parts(provenance)
+    counts = [leaf.get("num_records") for leaf in leaves]
+    if not leaves or any(not isinstance(c, int) for c in counts) or sum(counts) != num_rows:
+        raise ValueError(f"the held-out rows must come from parts of {path} that the initial heads did not train on, "
+                         f"but its provenance does not say which rows came from which part ({len(leaves)} parts "
+                         f"recording {sum(c for c in counts if isinstance(c, int))} rows; the data has {num_rows}). "
+                         "Give data made by make_data / merge_data, or data with a validation split of unseen rows")
+    seen_rows, start, unseen = set(), 0, []
+    for leaf, count in zip(leaves, counts):
+        span = range(start, start + count)
+        if leaf.get("prompts_sha256") in seen_parts:
+            seen_rows.update(span)
+        else:
+            unseen.extend(span)
+        start += count
+    seen_contents = {contents[r] for r in seen_rows if r in contents}
+    unseen = set(unseen)
+    return [r for r in rows if r in unseen and contents[r] not in seen_contents]
+
+
 def _rows(dataset) -> Iterator[tuple[list[int], list[int], str | None]]:
     missing = {"prompt_ids", "answer_ids"} - set(dataset.column_names)
     if missing:
@@ -116,8 +164,13 @@ def _rows(dataset) -> Iterator[tuple[list[int], list[int], str | None]]:
 
 
 def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_examples: int,
-              seed: int) -> SelfDistilledData:
-    """Read the dataset, cut sequences to ``seq_len``, split train / held-out (seeded unless the data has a split)."""
+              seed: int, seen_parts: Collection[str] = ()) -> SelfDistilledData:
+    """Read the dataset, cut sequences to ``seq_len``, split train / held-out (seeded unless the data has a split).
+
+    seen_parts: prompts digests (``part_digests``) of parts that the heads a run starts from were trained on: their
+    rows, and rows with the same tokens, are never held out (they train; the held-out rows come from the other parts).
+    Data that shares no part with them splits exactly as without. A split given by the data is used as it is.
+    """
     from datasets import Dataset, DatasetDict, load_from_disk
 
     path = Path(path)
@@ -131,11 +184,15 @@ def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_exa
         parts: list[tuple[Dataset, bool]] = [(loaded["train"], False)] + ([(loaded[held], True)] if held else [])
     else:
         parts = [(loaded, False)]
-    examples, is_eval, digest, row, dropped = {}, {}, hashlib.sha256(), 0, 0
+    seen_parts = frozenset(seen_parts)
+    examples, is_eval, contents, digest, row, dropped = {}, {}, {}, hashlib.sha256(), 0, 0
     for dataset, held_out in parts:
         for prompt_ids, answer_ids, category in _rows(dataset):
             tokens = np.asarray(list(prompt_ids) + list(answer_ids), dtype=np.int64)
-            digest.update(np.asarray([len(prompt_ids), len(answer_ids)], dtype=np.int64).tobytes() + tokens.tobytes())
+            content = np.asarray([len(prompt_ids), len(answer_ids)], dtype=np.int64).tobytes() + tokens.tobytes()
+            digest.update(content)
+            if seen_parts:
+                contents[row] = hashlib.sha256(content).digest()
             if len(prompt_ids) < seq_len and len(answer_ids) > 0:
                 examples[row] = Example(row, torch.from_numpy(tokens[:seq_len]), len(prompt_ids), category)
                 is_eval[row] = held_out
@@ -149,17 +206,27 @@ def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_exa
         log.warning("dropped %d of %d rows whose prompt leaves no answer token inside seq_len=%d",
                     dropped, row, seq_len)
     rows = sorted(examples)
+    provenance = read_provenance(path)
     if any(is_eval.values()):
         train = [r for r in rows if not is_eval[r]]
         held = [r for r in rows if is_eval[r]][:eval_max_examples]
     else:
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
         n_eval = min(max(1, round(eval_fraction * len(rows))), eval_max_examples, len(rows) - 1)
-        held = sorted(rows[i] for i in order[:n_eval])
-        train = sorted(rows[i] for i in order[n_eval:])
+        eligible = rows
+        if seen_parts and seen_parts & set(part_digests(provenance)):
+            eligible = _unseen_rows(path, provenance, rows, row, contents, seen_parts)
+            if not eligible:
+                raise ValueError(f"every row of {path} comes from parts the initial heads were trained on: no "
+                                 "held-out row would be new to them. Add parts they have not seen (or give data with "
+                                 "a validation split)")
+            n_eval = min(n_eval, len(eligible))
+        order = torch.randperm(len(eligible), generator=torch.Generator().manual_seed(seed)).tolist()
+        held = sorted(eligible[i] for i in order[:n_eval])
+        taken = set(held)
+        train = [r for r in rows if r not in taken]
     if not train:
         raise ValueError(f"dataset {path} leaves no training examples after the held-out split")
-    return SelfDistilledData(examples=examples, train=train, eval=held, provenance=read_provenance(path),
+    return SelfDistilledData(examples=examples, train=train, eval=held, provenance=provenance,
                              fingerprint=digest.hexdigest(), num_rows=row, dropped=dropped)
 
 

@@ -26,7 +26,7 @@ BACKBONE_FIELDS = ("backbone", "backbone_revision", "adapter", "adapter_revision
 HEAD_FIELDS = ("kind", "num_heads", "num_layers", "share_lm_head", "feature_layers")
 ORDER_FIELDS = ("data_fingerprint", "seed", "seq_len", "eval_fraction", "eval_max_examples", "micro_batch_size",
                 "grad_accum", "world_size", "max_steps", "lr", "warmup", "weight_decay", "grad_clip", "zero_stage",
-                "dtype", "loss", "head_decay", "loss_vocab", "group_by_length")
+                "dtype", "loss", "head_decay", "loss_vocab", "group_by_length", "seen_parts")
 
 
 class CheckpointMismatchError(ValueError):
@@ -46,12 +46,15 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             tmp.unlink()
 
 
-def run_identity(cfg, heads_config, data_fingerprint: str, world_size: int) -> dict:
-    """What a checkpoint is tied to (``cfg``: the resolved TrainConfig; ``heads_config``: HeadsConfig)."""
+def run_identity(cfg, heads_config, data_fingerprint: str, world_size: int, seen_parts=()) -> dict:
+    """What a checkpoint is tied to (``cfg``: the resolved TrainConfig; ``heads_config``: HeadsConfig;
+    ``seen_parts``: the parts --init_heads trained on, which shape the held-out split)."""
     identity = {name: getattr(heads_config, name) for name in BACKBONE_FIELDS + HEAD_FIELDS}
     identity.update({name: getattr(cfg, name) for name in ORDER_FIELDS
-                     if name not in ("data_fingerprint", "world_size", "loss_vocab")})
+                     if name not in ("data_fingerprint", "world_size", "loss_vocab", "seen_parts")})
     identity.update(data_fingerprint=data_fingerprint, world_size=world_size)
+    # absent from checkpoints made before --init_heads existed: None (fresh heads) matches them
+    identity["seen_parts"] = sorted(seen_parts) or None
     # absent from checkpoints made before --loss_vocab existed: None (all tokens) matches them
     identity["loss_vocab"] = cfg.draft_vocab_size if cfg.loss_vocab == "draft" else None
     return identity

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Collection
 
 import torch
 
@@ -27,12 +28,14 @@ VOCABS = ("auto", "draft", "full")
 
 def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split: str = "held_out",
                    vocab: str = "auto", seq_len: int = 512, eval_fraction: float = 0.05, eval_max_examples: int = 256,
-                   seed: int = 0, micro_batch_size: int = 4, by_category: bool = True) -> dict:
+                   seed: int = 0, micro_batch_size: int = 4, by_category: bool = True,
+                   seen_parts: Collection[str] = ()) -> dict:
     """Metrics of ``heads`` on ``model`` (the frozen backbone they were made for) over ``data``'s rows.
 
     split: 'held_out' (a run's held-out rows, given the same split arguments) or 'all'. vocab: 'draft' ranks over the
     heads' draft vocabulary (what drafting ranks, less each prompt's own tokens; a target outside it is a miss),
-    'full' over every token, 'auto' = 'draft' when the heads have one. Returns the trainer's held-out record
+    'full' over every token, 'auto' = 'draft' when the heads have one. seen_parts: as ``load_data``'s (the split of a
+    run with --init_heads: ``trained_parts`` of those heads). Returns the trainer's held-out record
     (``metrics.evaluate``) plus ``examples``, ``split``, ``vocab`` and ``by_category`` {category: record}.
     """
     if split not in SPLITS:
@@ -48,7 +51,7 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
         raise ValueError("vocab='draft' ranks over the heads' draft vocabulary, but these heads have none; use "
                          "vocab='full'")
     if not isinstance(data, SelfDistilledData):
-        data = load_data(data, seq_len, eval_fraction, eval_max_examples, seed)
+        data = load_data(data, seq_len, eval_fraction, eval_max_examples, seed, seen_parts=seen_parts)
     rows = data.eval if split == "held_out" else sorted(data.examples)
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     device = lm_head.weight.device

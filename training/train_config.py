@@ -82,6 +82,11 @@ class TrainConfig:
         "help": "project with the backbone's frozen lm_head (small checkpoints) instead of a trained copy per head "
                 "(mtp: always)"})
 
+    init_heads: str | None = field(default=None, metadata={
+        "help": "start from these trained heads (folder or Hub id) instead of fresh ones: continue training on more "
+                "data, or adapt shipped heads to your own. Same kind, depths, layers and backbone. Held-out rows then "
+                "come only from parts of --data they were not trained on (by the parts' provenance), so the metrics "
+                "stay held-out"})
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "give the exported heads a draft vocabulary: the N most frequent tokens of the training sequences "
                 "(drafting then projects onto those + the prompt's tokens: much cheaper guesses); unset = all tokens"})

@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tokenmaxx.heads import HEAD_KINDS, DynamicTreeConfig, HeadsConfig, backbone_identity, load_backbone
+from tokenmaxx.heads import (HEAD_KINDS, DraftHeads, DynamicTreeConfig, HeadsConfig, backbone_identity,
+                             load_backbone)
 from tokenmaxx.heads.tree import parse_tree
 from tokenmaxx.inference.calibration_store import cpu_isa, cpu_name, device_name
 from tokenmaxx.inference.timing import clock
 
 from . import checkpoints
-from .batches import SelfDistilledData, collate, load_data, step_micro_batches
+from .batches import SelfDistilledData, collate, load_data, part_digests, step_micro_batches, trained_parts
 from .checkpoints import atomic_write_text
 from .ds_setup import build_engine, comm_device, init_distributed, resolve_ds_config, steps_per_epoch, training_device
 from .features import BackboneFeatures, FeatureCache
@@ -142,6 +143,20 @@ def draft_vocab_from(data: SelfDistilledData, size: int) -> tuple[torch.Tensor, 
     return ids, {"size": int(ids.numel()), "requested": size, "heldout_token_coverage": coverage}
 
 
+def start_from(heads, init, model, source: str) -> None:
+    """Step 5 with --init_heads: fresh ``heads`` take the weights of ``init`` (trained heads of the same shape, for the
+    same backbone); anything else is one error naming each difference."""
+    init.check_backbone(model)
+    fields = ("kind", "num_heads", "num_layers", "share_lm_head", "feature_layers", "hidden_size", "vocab_size")
+    differ = [f"{name}: theirs {getattr(init.config, name)!r}, this run {getattr(heads.config, name)!r}"
+              for name in fields if getattr(init.config, name) != getattr(heads.config, name)]
+    if differ:
+        raise ValueError(f"--init_heads {source} do not fit this run ({'; '.join(differ)}): give the flags they were "
+                         "trained with")
+    state = {k: v for k, v in init.state_dict().items() if k != "draft_vocab"}  # the run picks its own vocabulary
+    heads.load_state_dict(state, strict=True)
+
+
 def export_heads(heads, cfg: TrainConfig, extra: dict, rank: int) -> Path:
     """Step 10: gather fp32 master weights (collective), then rank 0 writes config.json + model.safetensors."""
     from deepspeed.utils import safe_get_full_fp32_param
@@ -229,22 +244,31 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     requested = cfg.to_dict()
     device = training_device(cfg.device)
     rank, world = init_distributed(device)  # 1. processes
-    data = load_data(cfg.data, cfg.seq_len, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed)  # 2. data
+    init = DraftHeads.from_pretrained(cfg.init_heads) if cfg.init_heads else None
+    seen = trained_parts(init.config) if init is not None else []
+    if init is not None and not seen:
+        log.warning("the --init_heads %s record no training data: held-out rows may include rows they were trained "
+                    "on", cfg.init_heads)
+    data = load_data(cfg.data, cfg.seq_len, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed,  # 2. data
+                     seen_parts=seen)
     cfg, ds = resolve_ds_config(cfg, world, len(data.train))  # 3. config
     if model is None:  # 4. backbone
         model = load_frozen_backbone(cfg, device)
     check_frozen_backbone(model, cfg, data, device)
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
-    settings = {"feature_layers": list(cfg.feature_layers)} if cfg.feature_layers else {}
+    layers = cfg.feature_layers or (init.config.feature_layers if init is not None else None)
+    settings = {"feature_layers": list(layers)} if layers else {}
     if cfg.dynamic_tree:  # the serving tree the export carries (not part of the checkpoint identity)
         settings["dynamic_tree"] = DynamicTreeConfig.parse(cfg.dynamic_tree)
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                               share_lm_head=cfg.share_lm_head, **settings)
+    if init is not None:
+        start_from(heads, init, model, cfg.init_heads)
     tree = parse_tree(heads.config.tree, cfg.num_heads)
     vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None)
-    identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world)  # checked before any work
+    identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world, seen)  # checked before any work
     resumed = checkpoints.prepare(cfg.checkpoint_dir, identity, cfg.resume, rank)
     _barrier()
     if cfg.feature_cache:  # 6. features
@@ -333,7 +357,11 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
              **({} if total.known else {"time_note": "resumed from a checkpoint made before time was recorded: "
                                                      "wall_seconds and train_positions_per_s cover the later "
                                                      "processes only"}),
-             "rank_weight_digests": rank_weight_digests(engine.module.heads, world)}
+             "rank_weight_digests": rank_weight_digests(engine.module.heads, world),
+             "seen_parts": sorted(set(seen) | set(part_digests(data.provenance)))}
+    if init is not None:
+        extra["init_heads"] = {"source": cfg.init_heads, "seen_parts": sorted(seen),
+                               "metrics": (init.config.extra or {}).get("metrics")}
     if cfg.draft_vocab_size:
         extra["_draft_vocab"], extra["draft_vocab"] = vocab, {**vocab_record, "loss": cfg.loss_vocab == "draft"}
     export_heads(engine.module.heads, cfg, extra, rank)  # 10. export
