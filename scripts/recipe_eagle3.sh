@@ -66,7 +66,7 @@ if [ ! -f "$MIX/mix.json" ]; then
 fi
 [ "$STAGE" = prompts ] && exit 0
 
-# 2. answers, part by part; each finished part is also kept as a compact copy (int32 token ids) in $KEPT, which is
+# 2. answers, part by part; each finished part is also kept as a compact copy (uint16 token ids) in $KEPT, which is
 #    committed to git: a later session or a user retrains from it without answering those prompts again. JOBS parts
 #    are answered at once, each process on its share of the cores (on 2 cores, 2 one-thread processes answered
 #    1.3-1.8x the tokens/s of one two-thread process: batched generation's small matmuls scale poorly across
@@ -116,7 +116,7 @@ answer_part() {
   "$PY" scripts/make_data.py --output_dir "$MIX/part-$p" --sources "$MIX/prompts-$p.jsonl" --whole_conversation true \
     --exclude "$EXCLUDE" --backbone smollm2-135m --dtype "$(part_dtype "$p")" --device "$DEVICE" --max_new_tokens 256 \
     --batch_size 32
-  "$PY" scripts/merge_data.py "$MIX/part-$p" --output_dir "$KEPT/part-$p" --token_dtype int32
+  "$PY" scripts/merge_data.py "$MIX/part-$p" --output_dir "$KEPT/part-$p" --token_dtype uint16
   rm -rf "$UNFINISHED/part-$p"
   rmdir "$UNFINISHED" 2>/dev/null || true
 }

@@ -40,7 +40,7 @@ def test_each_part_loads_with_its_provenance(part):
     # benchmark prompts were excluded when it was made (checked against the files again below where they exist)
     assert provenance["exclude"] and all(f.endswith(".jsonl") for f in provenance["exclude"])
     dataset = datasets.load_from_disk(str(part))
-    assert dataset.features["answer_ids"].feature.dtype == "int32"  # the compact copy
+    assert dataset.features["answer_ids"].feature.dtype == "uint16"  # the compact copy (2 bytes a token)
     assert provenance["num_records"] == len(dataset) and provenance["answer_tokens"] == count_answer_tokens(dataset)
     assert provenance["categories"] == category_counts(dataset)  # the mix's sources: chat, math, rag, ...
     assert set(provenance["categories"]) == {"chat", "math", "rag", "summarize", "translate"}

@@ -73,7 +73,7 @@ def test_a_part_without_categories_drops_the_column_with_a_warning(parts, tmp_pa
 def test_merge_refuses_bad_parts_and_outputs(parts, tmp_path):
     with pytest.raises(ValueError, match="at least one"):
         merge_data([], tmp_path / "none")
-    with pytest.raises(ValueError, match="token_dtype must be int64 or int32"):
+    with pytest.raises(ValueError, match="token_dtype must be one of int64, int32, uint16"):
         merge_data(parts, tmp_path / "x", token_dtype="int8")
     with pytest.raises(FileNotFoundError, match="do not exist"):
         merge_data([parts[0], tmp_path / "nowhere"], tmp_path / "x")
@@ -97,7 +97,8 @@ def test_merge_refuses_bad_parts_and_outputs(parts, tmp_path):
 
 
 def test_a_compact_copy_of_one_part_trains_the_same(parts, tmp_path):
-    """int32 token ids: the same rows, the same data fingerprint (what checkpoints are tied to), half the bytes."""
+    """int32 / uint16 token ids: the same rows, the same data fingerprint (what checkpoints are tied to), fewer
+    bytes."""
     copy = merge_data(parts[1:], tmp_path / "compact", token_dtype="int32")
     assert copy.features["answer_ids"].feature.dtype == "int32"
     original = datasets.load_from_disk(str(parts[1]))
@@ -107,6 +108,26 @@ def test_a_compact_copy_of_one_part_trains_the_same(parts, tmp_path):
     assert a.fingerprint == b.fingerprint and all(torch.equal(a.examples[r].ids, b.examples[r].ids) for r in a.examples)
     merged = merge_data([tmp_path / "compact", parts[0]], tmp_path / "back")  # int32 parts merge back to int64
     assert merged.features["prompt_ids"].feature.dtype == "int64" and len(merged) == 5
+    smallest = merge_data([tmp_path / "compact"], tmp_path / "uint16", token_dtype="uint16")  # a copy of a copy
+    assert smallest.features["answer_ids"].feature.dtype == "uint16"
+    c = load_data(tmp_path / "uint16", seq_len=64, eval_fraction=0.2, eval_max_examples=8, seed=0)
+    assert c.fingerprint == a.fingerprint and all(torch.equal(a.examples[r].ids, c.examples[r].ids) for r in a.examples)
+    assert sum(f.stat().st_size for f in (tmp_path / "uint16").glob("*.arrow")) \
+        < sum(f.stat().st_size for f in (tmp_path / "compact").glob("*.arrow"))
+
+
+def test_a_storage_type_too_small_for_the_ids_is_refused(parts, tmp_path):
+    """uint16 holds ids 0..65,535: a vocabulary beyond it is one error naming the id, and nothing is written."""
+    rows = datasets.load_from_disk(str(parts[0])).to_list()
+    rows[0]["answer_ids"] = rows[0]["answer_ids"][:-1] + [70_000]
+    big = tmp_path / "big"
+    datasets.Dataset.from_list(rows, features=datasets.load_from_disk(str(parts[0])).features).save_to_disk(str(big))
+    (big / "provenance.json").write_text((parts[0] / "provenance.json").read_text())
+    with pytest.raises(ValueError, match=r"answer_ids holds token id 70000, which --token_dtype uint16 cannot store "
+                                         r"\(ids 0..65535\); use int32"):
+        merge_data([big], tmp_path / "out", token_dtype="uint16")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-*"))
+    assert len(merge_data([big], tmp_path / "out", token_dtype="int32")) == len(rows)
 
 
 def test_merge_script(parts, tmp_path, capsys):

@@ -15,11 +15,14 @@ import pyarrow.compute as pc
 import torch
 from safetensors.torch import load_file, save_file
 
+TOKEN_DTYPES = {"int64": 2**63, "int32": 2**31, "uint16": 2**16}  # token id storage -> the ids it holds (below)
+
+
 def features(token_dtype: str = "int64") -> datasets.Features:
-    """The columns of a self-distilled dataset; token ids as int64 (what make_data writes) or int32 (half the disk,
-    for a copy kept in git: ``merge_data --token_dtype int32``)."""
-    if token_dtype not in ("int64", "int32"):
-        raise ValueError(f"token_dtype must be int64 or int32, got {token_dtype!r}")
+    """The columns of a self-distilled dataset; token ids as int64 (what make_data writes), int32 (half the disk) or
+    uint16 (a quarter, for vocabularies under 65,536: the copies kept in git, ``merge_data --token_dtype uint16``)."""
+    if token_dtype not in TOKEN_DTYPES:
+        raise ValueError(f"token_dtype must be one of {', '.join(TOKEN_DTYPES)}, got {token_dtype!r}")
     return datasets.Features({"prompt": datasets.Value("string"),
                               "prompt_ids": datasets.List(datasets.Value(token_dtype)),
                               "answer_ids": datasets.List(datasets.Value(token_dtype))})

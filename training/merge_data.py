@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
+import pyarrow.compute as pc
 
 from .batches import read_provenance
-from .data_folder import (CATEGORY, FEATURES, PROVENANCE_NAME, TMP_PREFIX, category_counts, count_answer_tokens,
-                          features, quiet_datasets, remove, write_json)
+from .data_folder import (CATEGORY, FEATURES, PROVENANCE_NAME, TMP_PREFIX, TOKEN_DTYPES, category_counts,
+                          count_answer_tokens, features, quiet_datasets, remove, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,18 @@ def _conform(dataset: datasets.Dataset, wanted: datasets.Features) -> datasets.D
     return dataset
 
 
+def _check_ids_fit(paths: Sequence[Path], datasets_: Sequence[datasets.Dataset], token_dtype: str) -> None:
+    """Refuse a storage type too small for the token ids (a cast would fail midway, or wrap)."""
+    limit = TOKEN_DTYPES[token_dtype]
+    for path, dataset in zip(paths, datasets_):
+        for column in ("prompt_ids", "answer_ids"):
+            ids = pc.list_flatten(dataset.data.column(column))
+            top, low = pc.max(ids).as_py(), pc.min(ids).as_py()
+            if top is not None and (top >= limit or (token_dtype == "uint16" and low < 0)):
+                raise ValueError(f"{path}: {column} holds token id {top if top >= limit else low}, which "
+                                 f"--token_dtype {token_dtype} cannot store (ids 0..{limit - 1}); use int32")
+
+
 def merged_provenance(parts: Sequence[tuple[str, dict]], dataset: datasets.Dataset) -> dict:
     """The top-level record of a merge: shared settings, ordered sources, counts, and each part's own record."""
     records = [p for _, p in parts]
@@ -69,7 +82,8 @@ def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: b
                token_dtype: str = "int64") -> datasets.Dataset:
     """Concatenate make_data outputs ``parts`` into ``output_dir`` (refused if it exists, unless ``overwrite``).
 
-    One part is a copy (with ``token_dtype="int32"``: a compact copy, e.g. to keep finished parts in git)."""
+    One part is a copy (with ``token_dtype="uint16"`` or ``"int32"``: a compact copy, e.g. to keep finished parts in
+    git; ids a type cannot store are refused)."""
     wanted = features(token_dtype)
     if not parts:
         raise ValueError("merge_data needs at least one dataset")
@@ -89,6 +103,7 @@ def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: b
                         CATEGORY)
         else:
             wanted = datasets.Features({**wanted, CATEGORY: datasets.Value("string")})
+    _check_ids_fit(paths, [d for d, _ in loaded], token_dtype)
     loaded = [(_conform(d, wanted), prov) for d, prov in loaded]
     dataset = datasets.concatenate_datasets([d for d, _ in loaded])
     provenance = merged_provenance([(str(p), prov) for p, (_, prov) in zip(paths, loaded)], dataset)
