@@ -457,7 +457,8 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
                                                                                       data_dir):
     """--init_heads: the run starts from the trained heads' weights (its first loss is theirs, well below a fresh
     start's); its held-out rows come only from the part those heads never trained on, never a copy of a row they saw;
-    the export records what it started from and every part seen, so a later run from it excludes both parts;
+    the export records what it started from and every part seen, so a later run from it excludes both parts, and
+    keeps the serving tree of the heads it started from;
     evaluate_heads with the same seen parts reproduces the run's held-out record; a resume must start from heads that
     saw the same parts; heads of another shape, or data with nothing new, are one error each."""
     from tokenmaxx.training.batches import trained_parts
@@ -466,7 +467,7 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     data_a, data_ab = _two_parts(data_dir, tmp_path)
     model, _ = load_backbone(str(backbone_dir))
     run = dict(kind="mtp", eval_fraction=0.5, max_steps=6, save_every=0)
-    first = train(make_cfg(data_a, tmp_path / "first", **run), model=model)
+    first = train(make_cfg(data_a, tmp_path / "first", dynamic_tree="dynamic:nodes=6,topk=3", **run), model=model)
     first_heads = DraftHeads.from_pretrained(first.export_dir)
     assert trained_parts(first_heads.config) == ["first" * 8]
 
@@ -485,6 +486,7 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     extra = warm_heads.config.extra
     assert extra["init_heads"]["source"] == str(first.export_dir) and extra["init_heads"]["seen_parts"] == ["first" * 8]
     assert extra["seen_parts"] == sorted(["first" * 8, "second" * 8]) and extra["data"]["eval_examples"] == 20
+    assert warm_heads.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3)  # the serving tree it started with
     found = evaluate_heads(warm_heads, model, data_ab, **split, seen_parts=trained_parts(first_heads.config))
     assert found["examples"] == 20 and found["eval_positions"] == warm.metrics["eval_positions"]
     assert found["head_top1"] == pytest.approx(warm.metrics["head_top1"], abs=2e-4)

@@ -261,6 +261,10 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     settings = {"feature_layers": list(layers)} if layers else {}
     if cfg.dynamic_tree:  # the serving tree the export carries (not part of the checkpoint identity)
         settings["dynamic_tree"] = DynamicTreeConfig.parse(cfg.dynamic_tree)
+    elif init is not None and init.config.dynamic_tree is not None:  # else the one of the heads it starts from
+        settings["dynamic_tree"] = init.config.dynamic_tree
+    if init is not None and init.config.tree is not None:  # static-tree kinds keep their tree too
+        settings["tree"] = init.config.tree
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                               share_lm_head=cfg.share_lm_head, **settings)
     if init is not None:
