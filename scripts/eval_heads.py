@@ -6,7 +6,7 @@
 Without --heads: the heads shipped for --backbone. The rows are those a training run on --data holds out (the same
 split for the same --seq_len / --eval_fraction / --eval_max_examples / --seed as train_heads), or every row with
 --split all; with --unseen_by HEADS only rows of parts those heads never trained on are held out (the split of a run
-started from them with train_heads --init_heads). Two sets of heads evaluated with the same flags are scored on the same rows: the way to compare kinds or
+started from them with train_heads --init_heads, which is the default for heads made by such a run). Two sets of heads evaluated with the same flags are scored on the same rows: the way to compare kinds or
 recipes without a bench. Bad input ends in one `error:` line and exit status 2 (--debug: the traceback).
 """
 
@@ -45,8 +45,8 @@ class EvalArgs:
     seed: int = field(default=0, metadata={"help": "as train_heads --seed"})
     unseen_by: str | None = field(default=None, metadata={
         "help": "heads folder / Hub id: hold out only rows of parts those heads were not trained on, as train_heads "
-                "--init_heads does with them (reproduces a warm-started run's split; scores other heads on rows "
-                "new to these)"})
+                "--init_heads does with them (scores other heads on rows new to these). Default: for heads trained "
+                "with --init_heads, the parts those had seen (their run's own split)"})
     micro_batch_size: int = field(default=4, metadata={"help": "sequences per backbone forward"})
     dtype: str = field(default="bfloat16", metadata={"help": "backbone and heads dtype: bfloat16 or float32"})
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
@@ -65,6 +65,8 @@ class EvalArgs:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"--eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        if self.unseen_by and self.split != "held_out":
+            raise ValueError(f"--unseen_by chooses the held-out rows; --split {self.split} scores every row")
 
 
 def table(metrics: dict) -> str:
@@ -85,14 +87,16 @@ def main(argv=None) -> int:
     from tokenmaxx.heads import DraftHeads
 
     heads = DraftHeads.from_pretrained(args.heads) if args.heads and args.heads != "untrained" else None
+    seen = trained_parts(DraftHeads.from_pretrained(args.unseen_by).config) if args.unseen_by else None
+    if args.unseen_by and not seen:
+        raise ValueError(f"--unseen_by {args.unseen_by}: those heads record no training data, so no row can be "
+                         "known to be new to them")
     backbone = args.backbone or (heads.config.backbone if heads is not None else None) or "smollm2-135m"
     model, _ = load_backbone(backbone, dtype=args.dtype, device=args.device)
     if heads is None:
         heads = resolve_heads(args.heads, model, backbone)
-    seen = trained_parts(DraftHeads.from_pretrained(args.unseen_by).config) if args.unseen_by else ()
-    if args.unseen_by and not seen:
-        raise ValueError(f"--unseen_by {args.unseen_by}: those heads record no training data, so no row can be "
-                         "known to be new to them")
+    if seen is None:  # heads trained from others: their run's split held out rows new to those
+        seen = ((heads.config.extra or {}).get("init_heads") or {}).get("seen_parts") or ()
     metrics = evaluate_heads(heads, model, args.data, split=args.split, vocab=args.vocab, seq_len=args.seq_len,
                              eval_fraction=args.eval_fraction, eval_max_examples=args.eval_max_examples,
                              seed=args.seed, micro_batch_size=args.micro_batch_size, seen_parts=seen)

@@ -22,7 +22,7 @@
 # (benchmark prompts never trained on, default ../shared/bench), RUN, EXPORT, MIX (prompts and working folders), KEPT
 # (the committed parts), JOBS (parts answered at once; 2 on a CPU of <= 4 cores, else 1), NPROC (training processes,
 # default JOBS), DRAFT_VOCAB (16384), SAVE_EVERY (50 steps), DYNAMIC_TREE (the exported serving tree; default
-# dynamic:nodes=8,topk=8,min_mass=0.5, empty = the library's 32 nodes), EPOCHS (3), LR (1e-3), WARMUP (100),
+# dynamic:nodes=8,topk=8,min_mass=0.5, empty = INIT_HEADS' or the library's 32 nodes), EPOCHS (3), LR (1e-3), WARMUP (100),
 # INIT_HEADS (start from these trained heads), KIND (eagle3, or mtp: the same data and recipe
 # for the MTP kind, which learned faster on this backbone and made the shipped default heads; docs/benchmarks.md,
 # session 16). Costs on the 2-core CPU: the mix builds in ~1.5 min; answers ~105 tokens/s in one process (the mix's
@@ -50,7 +50,7 @@ NPROC=${NPROC:-$JOBS}  # training processes (torchrun); one thread each on a sma
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}  # the heads' draft vocabulary, also the loss's (see RECIPE: 8192 trains ~1.5x faster)
 SAVE_EVERY=${SAVE_EVERY:-50}  # steps between checkpoints: ~10 min of fp32 training on a 2-core AVX2 CPU (12.5 s a step)
 # the serving tree written into the exported config (the shipped heads' node budget; tree="auto" re-tunes per machine);
-# empty: the library default (32 nodes)
+# empty: INIT_HEADS' tree, else the library default (32 nodes)
 DYNAMIC_TREE=${DYNAMIC_TREE-dynamic:nodes=8,topk=8,min_mass=0.5}
 # training from scratch: 3 epochs, peak lr 1e-3 after 100 warm-up steps; INIT_HEADS (a heads folder / Hub id) starts
 # from trained heads instead (train_heads --init_heads: held-out rows only from parts they never saw), e.g. the

@@ -454,13 +454,14 @@ def _two_parts(data_dir: Path, out: Path) -> tuple[Path, Path]:
 
 
 def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to_them(tmp_path, backbone_dir,
-                                                                                      data_dir):
+                                                                                      data_dir, capsys):
     """--init_heads: the run starts from the trained heads' weights (its first loss is theirs, well below a fresh
-    start's); its held-out rows come only from the part those heads never trained on, never a copy of a row they saw;
-    the export records what it started from and every part seen, so a later run from it excludes both parts, and
-    keeps the serving tree of the heads it started from;
-    evaluate_heads with the same seen parts reproduces the run's held-out record; a resume must start from heads that
-    saw the same parts; heads of another shape, or data with nothing new, are one error each."""
+    start's); it holds out eval_fraction of the rows of the part those heads never trained on, never a copy of a row
+    they saw, and trains on the rest; the export records what it started from and every part seen (a later run from
+    it has nothing new to hold out) and keeps the serving tree of the heads it started from ('default' drops it);
+    evaluate_heads / eval_heads reproduce the run's held-out record; a resume must start from heads that saw the same
+    parts; heads of another kind or shape, or data with nothing new, are one error each."""
+    from tokenmaxx.scripts import eval_heads
     from tokenmaxx.training.batches import trained_parts
     from tokenmaxx.training.evaluation import evaluate_heads
 
@@ -475,8 +476,9 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     plain = load_data(data_ab, **split)
     assert any(r < 20 for r in plain.eval)  # a fresh run would hold out rows the first heads trained on
     warm_data = load_data(data_ab, **split, seen_parts=["first" * 8])
-    assert warm_data.eval == list(range(20, 40))  # all of the new part but the copy of row 0 (row 40)
-    assert warm_data.train == list(range(20)) + [40] and warm_data.fingerprint == plain.fingerprint
+    assert len(warm_data.eval) == 10 and set(warm_data.eval) < set(range(20, 40))  # half the new part, not row 40
+    assert warm_data.train == sorted(set(range(41)) - set(warm_data.eval))  # the rest trains, row 40 too
+    assert warm_data.fingerprint == plain.fingerprint
     assert load_data(data_ab, **split, seen_parts=["other"]).eval == plain.eval  # no shared part: the usual split
 
     warm = train(make_cfg(data_ab, tmp_path / "warm", init_heads=str(first.export_dir), **run), model=model)
@@ -485,22 +487,35 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     warm_heads = DraftHeads.from_pretrained(warm.export_dir)
     extra = warm_heads.config.extra
     assert extra["init_heads"]["source"] == str(first.export_dir) and extra["init_heads"]["seen_parts"] == ["first" * 8]
-    assert extra["seen_parts"] == sorted(["first" * 8, "second" * 8]) and extra["data"]["eval_examples"] == 20
+    assert extra["seen_parts"] == sorted(["first" * 8, "second" * 8]) and extra["data"]["eval_examples"] == 10
     assert warm_heads.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3)  # the serving tree it started with
     found = evaluate_heads(warm_heads, model, data_ab, **split, seen_parts=trained_parts(first_heads.config))
-    assert found["examples"] == 20 and found["eval_positions"] == warm.metrics["eval_positions"]
+    assert found["examples"] == 10 and found["eval_positions"] == warm.metrics["eval_positions"]
     assert found["head_top1"] == pytest.approx(warm.metrics["head_top1"], abs=2e-4)
+    out = tmp_path / "eval.json"  # the command: heads made from others are scored on their run's held-out rows
+    argv = ["--heads", str(warm.export_dir), "--data", str(data_ab), "--dtype", "float32", "--seq_len", "48",
+            "--eval_fraction", "0.5", "--out", str(out)]
+    assert eval_heads.main(argv) == 0
+    assert json.loads(out.read_text())["eval_positions"] == warm.metrics["eval_positions"]
+    assert eval_heads.main(argv + ["--unseen_by", str(first.export_dir)]) == 0  # the same rows, named
+    assert json.loads(out.read_text())["eval_positions"] == warm.metrics["eval_positions"]
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"--unseen_by chooses the held-out rows; --split all scores every row"):
+        eval_heads.main(argv + ["--unseen_by", str(first.export_dir), "--split", "all"])
 
     resumable = dict(run, max_steps=4, save_every=2)
     train(make_cfg(data_ab, tmp_path / "stopped", init_heads=str(first.export_dir), **resumable), model=model,
           stop_after=2)
-    with pytest.raises(CheckpointMismatchError, match=r"seen_parts: checkpoint \['firstfirst"):
+    with pytest.raises(CheckpointMismatchError, match=r"seen_parts: checkpoint \['firstfirst.*resume with the same"):
         train(make_cfg(data_ab, tmp_path / "stopped", resume=True, **resumable), model=model)
     resumed = train(make_cfg(data_ab, tmp_path / "stopped", resume=True, init_heads=str(first.export_dir),
-                             **resumable), model=model)
-    assert resumed.steps == 4
-    with pytest.raises(ValueError, match=r"every row of .*ab comes from parts the initial heads were trained on"):
+                             dynamic_tree="default", **resumable), model=model)
+    assert resumed.steps == 4 and DraftHeads.from_pretrained(resumed.export_dir).config.dynamic_tree is None
+    with pytest.raises(ValueError, match=r"0 row\(s\) of .*ab come from parts the initial heads were not trained on"):
         train(make_cfg(data_ab, tmp_path / "again", init_heads=str(warm.export_dir), **run), model=model)
     with pytest.raises(ValueError, match=r"do not fit this run \(num_heads: theirs 4, this run 3\): give the flags"):
         train(make_cfg(data_ab, tmp_path / "shape", init_heads=str(first.export_dir), **{**run, "num_heads": 3}),
+              model=model)
+    with pytest.raises(ValueError, match=r"do not fit this run \(kind: theirs 'mtp', this run 'eagle3'\)"):
+        train(make_cfg(data_ab, tmp_path / "kind", init_heads=str(first.export_dir), **{**run, "kind": "eagle3"}),
               model=model)

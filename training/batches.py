@@ -211,15 +211,15 @@ def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_exa
         train = [r for r in rows if not is_eval[r]]
         held = [r for r in rows if is_eval[r]][:eval_max_examples]
     else:
-        n_eval = min(max(1, round(eval_fraction * len(rows))), eval_max_examples, len(rows) - 1)
         eligible = rows
         if seen_parts and seen_parts & set(part_digests(provenance)):
             eligible = _unseen_rows(path, provenance, rows, row, contents, seen_parts)
-            if not eligible:
-                raise ValueError(f"every row of {path} comes from parts the initial heads were trained on: no "
-                                 "held-out row would be new to them. Add parts they have not seen (or give data with "
-                                 "a validation split)")
-            n_eval = min(n_eval, len(eligible))
+            if len(eligible) < 2:
+                raise ValueError(f"{len(eligible)} row(s) of {path} come from parts the initial heads were not "
+                                 "trained on: too few to hold some out and train on the rest. Add parts they have not "
+                                 "seen (or give data with a validation split)")
+        # held out: eval_fraction of the eligible rows (all rows, or those new to the initial heads), capped
+        n_eval = min(max(1, round(eval_fraction * len(eligible))), eval_max_examples, len(eligible) - 1)
         order = torch.randperm(len(eligible), generator=torch.Generator().manual_seed(seed)).tolist()
         held = sorted(eligible[i] for i in order[:n_eval])
         taken = set(held)

@@ -73,6 +73,8 @@ def check_identity(found: dict, wanted: dict, folder: Path) -> None:
         bad = diff(names)
         if bad:
             detail = "; ".join(f"{n}: checkpoint {a!r}, this run {b!r}" for n, (a, b) in bad.items())
+            if "seen_parts" in bad:  # the parts the run's --init_heads were trained on
+                hint += "; seen_parts are the data parts of the run's --init_heads: resume with the same ones"
             raise CheckpointMismatchError(f"checkpoints in {folder} were made for {what} ({detail}): {hint}. "
                                           "Resume with the original settings, or train into a new --output_dir")
 

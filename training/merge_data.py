@@ -57,8 +57,9 @@ def _check_ids_fit(paths: Sequence[Path], datasets_: Sequence[datasets.Dataset],
             ids = pc.list_flatten(dataset.data.column(column))
             top, low = pc.max(ids).as_py(), pc.min(ids).as_py()
             if top is not None and (top >= limit or (token_dtype == "uint16" and low < 0)):
+                wider = {"uint16": "int32", "int32": "int64"}[token_dtype]
                 raise ValueError(f"{path}: {column} holds token id {top if top >= limit else low}, which "
-                                 f"--token_dtype {token_dtype} cannot store (ids 0..{limit - 1}); use int32")
+                                 f"--token_dtype {token_dtype} cannot store (ids 0..{limit - 1}); use {wider}")
 
 
 def merged_provenance(parts: Sequence[tuple[str, dict]], dataset: datasets.Dataset) -> dict:

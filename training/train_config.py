@@ -84,18 +84,19 @@ class TrainConfig:
 
     init_heads: str | None = field(default=None, metadata={
         "help": "start from these trained heads (folder or Hub id) instead of fresh ones: continue training on more "
-                "data, or adapt shipped heads to your own. Same kind, depths, layers and backbone. Held-out rows then "
-                "come only from parts of --data they were not trained on (by the parts' provenance), so the metrics "
-                "stay held-out"})
+                "data, or adapt shipped heads to your own. Same kind, depths, layers and backbone; their serving tree "
+                "is kept. Where --data shares parts with their training data (by the parts' provenance), held-out "
+                "rows come only from the other parts (--eval_fraction of them) and copy no row of a shared part; a validation "
+                "split in --data is used as it is"})
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "give the exported heads a draft vocabulary: the N most frequent tokens of the training sequences "
                 "(drafting then projects onto those + the prompt's tokens: much cheaper guesses); unset = all tokens"})
 
     dynamic_tree: str | None = field(default=None, metadata={
         "help": "the serving tree written into the exported heads' config (sequential kinds: mtp, eagle3): "
-                "'dynamic:N' (N nodes) or 'dynamic:nodes=N,topk=K,depth=D,min_mass=M' (any subset); unset: the "
-                "library's default (32 nodes). Only the export reads it: a resume may change it. tree='auto' "
-                "measures the best one on a given machine"})
+                "'dynamic:N' (N nodes) or 'dynamic:nodes=N,topk=K,depth=D,min_mass=M' (any subset), or 'default' "
+                "(the library's, 32 nodes); unset: the --init_heads' tree, else the library's. Only the export reads "
+                "it: a resume may change it. tree='auto' measures the best one on a given machine"})
 
     # ---- objective -----------------------------------------------------------------------------------------------
     loss_vocab: str = field(default="full", metadata={
@@ -171,7 +172,8 @@ class TrainConfig:
                 raise ValueError(f"--dynamic_tree is the serving tree of sequential heads (kinds "
                                  f"{sorted(k for k, c in HEAD_KINDS.items() if issubclass(c, SequentialHeads))}); "
                                  f"--kind {self.kind} drafts the static tree of its config")
-            DynamicTreeConfig.parse(self.dynamic_tree)  # one error naming the bad spec and the expected forms
+            if self.dynamic_tree != "default":
+                DynamicTreeConfig.parse(self.dynamic_tree)  # one error naming the bad spec and the expected forms
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
         if self.loss_vocab not in LOSS_VOCABS:

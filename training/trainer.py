@@ -143,16 +143,28 @@ def draft_vocab_from(data: SelfDistilledData, size: int) -> tuple[torch.Tensor, 
     return ids, {"size": int(ids.numel()), "requested": size, "heldout_token_coverage": coverage}
 
 
-def start_from(heads, init, model, source: str) -> None:
-    """Step 5 with --init_heads: fresh ``heads`` take the weights of ``init`` (trained heads of the same shape, for the
-    same backbone); anything else is one error naming each difference."""
-    init.check_backbone(model)
-    fields = ("kind", "num_heads", "num_layers", "share_lm_head", "feature_layers", "hidden_size", "vocab_size")
-    differ = [f"{name}: theirs {getattr(init.config, name)!r}, this run {getattr(heads.config, name)!r}"
-              for name in fields if getattr(init.config, name) != getattr(heads.config, name)]
+def init_heads_for(cfg: TrainConfig):
+    """--init_heads, loaded and checked against the run's flags before anything is built: kind, depths, layers, the
+    projection and the feature layers must be theirs (one error naming each difference); None without the flag."""
+    if not cfg.init_heads:
+        return None
+    init = DraftHeads.from_pretrained(cfg.init_heads)
+    wanted = {"kind": cfg.kind, "num_heads": cfg.num_heads, "num_layers": cfg.num_layers,
+              "share_lm_head": cfg.share_lm_head}
+    if cfg.feature_layers:
+        wanted["feature_layers"] = list(cfg.feature_layers)
+    differ = [f"{name}: theirs {getattr(init.config, name)!r}, this run {value!r}"
+              for name, value in wanted.items() if getattr(init.config, name) != value]
     if differ:
-        raise ValueError(f"--init_heads {source} do not fit this run ({'; '.join(differ)}): give the flags they were "
-                         "trained with")
+        raise ValueError(f"--init_heads {cfg.init_heads} do not fit this run ({'; '.join(differ)}): give the flags "
+                         "they were trained with")
+    return init
+
+
+def start_from(heads, init, model) -> None:
+    """Step 5 with --init_heads: the fresh ``heads`` (built with ``init``'s settings) take its weights; ``init`` must
+    fit the backbone."""
+    init.check_backbone(model)
     state = {k: v for k, v in init.state_dict().items() if k != "draft_vocab"}  # the run picks its own vocabulary
     heads.load_state_dict(state, strict=True)
 
@@ -244,7 +256,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     requested = cfg.to_dict()
     device = training_device(cfg.device)
     rank, world = init_distributed(device)  # 1. processes
-    init = DraftHeads.from_pretrained(cfg.init_heads) if cfg.init_heads else None
+    init = init_heads_for(cfg)
     seen = trained_parts(init.config) if init is not None else []
     if init is not None and not seen:
         log.warning("the --init_heads %s record no training data: held-out rows may include rows they were trained "
@@ -259,16 +271,16 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
     layers = cfg.feature_layers or (init.config.feature_layers if init is not None else None)
     settings = {"feature_layers": list(layers)} if layers else {}
-    if cfg.dynamic_tree:  # the serving tree the export carries (not part of the checkpoint identity)
-        settings["dynamic_tree"] = DynamicTreeConfig.parse(cfg.dynamic_tree)
-    elif init is not None and init.config.dynamic_tree is not None:  # else the one of the heads it starts from
-        settings["dynamic_tree"] = init.config.dynamic_tree
+    if cfg.dynamic_tree and cfg.dynamic_tree != "default":  # the serving tree the export carries (not part of the
+        settings["dynamic_tree"] = DynamicTreeConfig.parse(cfg.dynamic_tree)  # checkpoint identity)
+    elif cfg.dynamic_tree is None and init is not None and init.config.dynamic_tree is not None:
+        settings["dynamic_tree"] = init.config.dynamic_tree  # unset: the one of the heads it starts from
     if init is not None and init.config.tree is not None:  # static-tree kinds keep their tree too
         settings["tree"] = init.config.tree
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                               share_lm_head=cfg.share_lm_head, **settings)
     if init is not None:
-        start_from(heads, init, model, cfg.init_heads)
+        start_from(heads, init, model)
     tree = parse_tree(heads.config.tree, cfg.num_heads)
     vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None)
