@@ -6,8 +6,9 @@
 Without --heads: the heads shipped for --backbone. The rows are those a training run on --data holds out (the same
 split for the same --seq_len / --eval_fraction / --eval_max_examples / --seed as train_heads), or every row with
 --split all; with --unseen_by HEADS only rows of parts those heads never trained on are held out (the split of a run
-started from them with train_heads --init_heads, which is the default for heads made by such a run). Two sets of heads evaluated with the same flags are scored on the same rows: the way to compare kinds or
-recipes without a bench. Bad input ends in one `error:` line and exit status 2 (--debug: the traceback).
+started from them with train_heads --init_heads, which is the default for heads made by such a run). Two sets of heads
+evaluated with the same flags are scored on the same rows: the way to compare kinds or recipes without a bench. Bad
+input ends in one `error:` line and exit status 2 (--debug: the traceback).
 """
 
 from __future__ import annotations

@@ -138,16 +138,11 @@ def _unseen_rows(path: Path, provenance: dict, rows: list[int], num_rows: int, c
                          f"but its provenance does not say which rows came from which part ({len(leaves)} parts "
                          f"recording {sum(c for c in counts if isinstance(c, int))} rows; the data has {num_rows}). "
                          "Give data made by make_data / merge_data, or data with a validation split of unseen rows")
-    seen_rows, start, unseen = set(), 0, []
+    seen_rows, unseen, start = set(), set(), 0
     for leaf, count in zip(leaves, counts):
-        span = range(start, start + count)
-        if leaf.get("prompts_sha256") in seen_parts:
-            seen_rows.update(span)
-        else:
-            unseen.extend(span)
+        (seen_rows if leaf.get("prompts_sha256") in seen_parts else unseen).update(range(start, start + count))
         start += count
-    seen_contents = {contents[r] for r in seen_rows if r in contents}
-    unseen = set(unseen)
+    seen_contents = {contents[r] for r in seen_rows}
     return [r for r in rows if r in unseen and contents[r] not in seen_contents]
 
 
