@@ -189,7 +189,9 @@ def _training_rows(extra: dict) -> list[tuple[str, str]]:
     note = _get(extra, "time_note", str)
     if wall != NOT_RECORDED and note:
         wall += f"; {note}"
+    started = _started_from(extra)
     return [("data", data),
+            *([("started from", started)] if started else []),
             ("optimizer steps", f"{steps:,}" if steps is not None else NOT_RECORDED),
             ("sequences per step", per_step),
             ("sequence length", str(_get(extra, "training.seq_len", int) or NOT_RECORDED)),
@@ -200,6 +202,24 @@ def _training_rows(extra: dict) -> list[tuple[str, str]]:
             ("hardware", _hardware(extra)),
             ("wall time", wall),
             ("throughput", f"{positions:,.0f} positions/s" if positions is not None else NOT_RECORDED)]
+
+
+def _started_from(extra: dict) -> str | None:
+    """The "started from" row of heads made by a warm start (train_heads --init_heads): what the heads they continued
+    had been trained on and for how long, down a chain of warm starts; None for heads trained from scratch."""
+    init = _get(extra, "init_heads", dict)
+    if init is None:
+        return None
+    run = _get(init, "run", dict)
+    if run is None:  # recorded before the init heads' run was kept
+        return "trained heads (their run is not recorded)"
+    rows = dict(_training_rows(run))
+    epochs = _get(run, "training.epochs", (int, float))
+    text = f"heads trained on {rows['data']}"
+    text += f"; {rows['optimizer steps']} optimizer steps" if rows["optimizer steps"] != NOT_RECORDED else ""
+    text += f" ({epochs:g} epochs, learning rate {rows['learning rate']})" if epochs is not None else ""
+    before = rows.get("started from")
+    return text + (f"; those heads started from {before}" if before else "")
 
 
 def _accuracy_rows(metrics: dict) -> list[dict]:

@@ -10,6 +10,7 @@ import pytest
 from helpers import make_cfg
 
 from tokenmaxx.heads import DraftHeads, DynamicTreeConfig, load_backbone
+from tokenmaxx.heads.card import render_model_card
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.checkpoints import CheckpointMismatchError
 from tokenmaxx.training.trainer import train
@@ -71,6 +72,11 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     extra = warm_heads.config.extra
     assert extra["init_heads"]["source"] == str(first.export_dir) and extra["init_heads"]["seen_parts"] == ["first" * 8]
     assert extra["seen_parts"] == sorted(["first" * 8, "second" * 8]) and extra["data"]["eval_examples"] == 10
+    theirs = first_heads.config.extra  # the init heads' own run, for the card's "started from" row
+    assert extra["init_heads"]["run"]["steps"] == theirs["steps"] 
+    assert "parts" in theirs["data"]["provenance"] and "parts" not in extra["init_heads"]["run"]["data"]["provenance"]
+    assert extra["init_heads"]["run"]["data"]["fingerprint"] == theirs["data"]["fingerprint"]
+    assert "| started from | heads trained on " in render_model_card(warm_heads.config, "org/x").text
     assert warm_heads.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3)  # the serving tree it started with
     found = evaluate_heads(warm_heads, model, data_ab, **split, seen_parts=trained_parts(first_heads.config))
     assert found["examples"] == 10 and found["eval_positions"] == warm.metrics["eval_positions"]

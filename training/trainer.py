@@ -161,6 +161,25 @@ def init_heads_for(cfg: TrainConfig):
     return init
 
 
+# what the record of a warm start keeps of its init heads' own run (their card's "started from" row): not the per-part
+# provenance, the weight digests or the draft vocabulary, which belong to those heads
+INIT_RUN_KEYS = ("training", "world_size", "machine", "steps", "wall_seconds", "train_positions_per_s", "processes",
+                 "time_note", "init_heads")
+
+
+def init_heads_record(init, source: str, seen) -> dict:
+    """``extra.init_heads`` of a warm start: where the init heads came from, the parts they had seen, their held-out
+    metrics and a summary of their own run (data without the per-part provenance; a chain of warm starts nests)."""
+    theirs = init.config.extra if isinstance(init.config.extra, dict) else {}
+    run = {key: theirs[key] for key in INIT_RUN_KEYS if key in theirs}
+    if isinstance(theirs.get("data"), dict):
+        data = {k: v for k, v in theirs["data"].items() if k != "provenance"}
+        if isinstance(theirs["data"].get("provenance"), dict):
+            data["provenance"] = {k: v for k, v in theirs["data"]["provenance"].items() if k != "parts"}
+        run["data"] = data
+    return {"source": source, "seen_parts": sorted(seen), "metrics": theirs.get("metrics"), "run": run}
+
+
 def start_from(heads, init, model) -> None:
     """Step 5 with --init_heads: the fresh ``heads`` (built with ``init``'s settings) take its weights; ``init`` must
     fit the backbone."""
@@ -376,8 +395,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
              "rank_weight_digests": rank_weight_digests(engine.module.heads, world),
              "seen_parts": sorted(set(seen) | set(part_digests(data.provenance)))}
     if init is not None:
-        extra["init_heads"] = {"source": cfg.init_heads, "seen_parts": sorted(seen),
-                               "metrics": (init.config.extra or {}).get("metrics")}
+        extra["init_heads"] = init_heads_record(init, cfg.init_heads, seen)
     if cfg.draft_vocab_size:
         extra["_draft_vocab"], extra["draft_vocab"] = vocab, {**vocab_record, "loss": cfg.loss_vocab == "draft"}
     export_heads(engine.module.heads, cfg, extra, rank)  # 10. export
