@@ -73,7 +73,7 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     assert extra["init_heads"]["source"] == str(first.export_dir) and extra["init_heads"]["seen_parts"] == ["first" * 8]
     assert extra["seen_parts"] == sorted(["first" * 8, "second" * 8]) and extra["data"]["eval_examples"] == 10
     theirs = first_heads.config.extra  # the init heads' own run, for the card's "started from" row
-    assert extra["init_heads"]["run"]["steps"] == theirs["steps"] 
+    assert extra["init_heads"]["run"]["steps"] == theirs["steps"]
     assert "parts" in theirs["data"]["provenance"] and "parts" not in extra["init_heads"]["run"]["data"]["provenance"]
     assert extra["init_heads"]["run"]["data"]["fingerprint"] == theirs["data"]["fingerprint"]
     assert "| started from | heads trained on " in render_model_card(warm_heads.config, "org/x").text
@@ -108,3 +108,21 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     with pytest.raises(ValueError, match=r"do not fit this run \(kind: theirs 'mtp', this run 'eagle3'\)"):
         train(make_cfg(data_ab, tmp_path / "kind", init_heads=str(first.export_dir), **{**run, "kind": "eagle3"}),
               model=model)
+
+
+def test_medusa_warm_start_keeps_the_static_tree_of_the_heads_it_started_from(tmp_path, backbone_dir, data_dir):
+    """Static-tree kinds: a warm start's export serves with the tree the init heads were given (as tune_tree writes
+    it into their config), not the library's default, and the run scores its held-out rows with that tree."""
+    data_a, data_ab = _two_parts(data_dir, tmp_path)
+    model, _ = load_backbone(str(backbone_dir))
+    run = dict(kind="medusa", num_heads=3, eval_fraction=0.5, max_steps=2, save_every=0)
+    first = train(make_cfg(data_a, tmp_path / "first", **run), model=model)
+    assert DraftHeads.from_pretrained(first.export_dir).config.tree is None  # the library's default
+    tuned = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    config_path = first.export_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "tree": tuned}))
+
+    warm = train(make_cfg(data_ab, tmp_path / "warm", init_heads=str(first.export_dir), **run), model=model)
+    assert DraftHeads.from_pretrained(warm.export_dir).config.tree == tuned
+    assert warm.metrics["tree_nodes"] == len(tuned) + 1  # held-out tau is the tuned tree's (root + 5 paths)
