@@ -30,15 +30,37 @@
 #                command="bash scripts/gpu_check.sh --receive .gpu/4 && bash scripts/gpu_check.sh $OUT")
 #   A machine that went cold between calls has lost the parts: the last call then says which are missing.
 #
+# Training on that machine: scripts/gpu_train.sh (the wheels it needs too: GPU_CHECK_TRAIN=1 with --pack; `--setup`
+# installs what --receive gathered and writes $STAGE/env.sh for it).
+#
 # Environment: GPU_CHECK_DEVICE (default cuda), GPU_CHECK_PYTHON (default: .venv/bin/python when there is one, else
 # python3), GPU_CHECK_PROMPTS (default: the packed prompts; dry run: ../shared/bench/spec_bench_dev.jsonl),
-# GPU_CHECK_WHEELS=0 (--pack without downloading the wheels; for tests).
+# GPU_CHECK_WHEELS=0 (--pack without downloading the wheels; for tests), GPU_CHECK_TRAIN=1 (--pack: the training
+# wheels too), GPU_CHECK_IMPORT=0 (--setup: the wheels alone, no GGUF import).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 STAGE=/tmp/tokenmaxx-gpu  # what --receive gathered: parts, wheels, prompts; then the site, the cache
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
+pinned() { for name in "$@"; do echo "$name==$($PY -c "import importlib.metadata as m; print(m.version('$name'))")"; done; }
+
+# device_env: the carried wheels installed into $STAGE/site, the repo's folders as the tokenmaxx package, and the GGUF
+# pieces (when some were carried) imported into the backbone cache; the exports go into $STAGE/env.sh for later steps
+device_env() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" "$STAGE"/in/*.whl \
+        || die "installing the carried wheels failed"
+    mkdir -p "$STAGE/src/tokenmaxx"  # the repo's folders as the tokenmaxx namespace package, without pip
+    for d in heads inference training scripts model_cards; do ln -sfn "$REPO/$d" "$STAGE/src/tokenmaxx/$d"; done
+    cat >"$STAGE/env.sh" <<ENV
+export PYTHONPATH="$STAGE/site:$STAGE/src\${PYTHONPATH:+:\$PYTHONPATH}" TOKENMAXX_CACHE="$STAGE/cache"
+ENV
+    source "$STAGE/env.sh"
+    local parts=("$STAGE"/in/part-*)  # in order; the import checks the joined sha256 (a missing piece fails there)
+    if [ -f "${parts[0]}" ] && [ "${GPU_CHECK_IMPORT:-1}" = 1 ]; then  # 0: wheels alone (gpu_train.sh --smoke)
+        python3 -m tokenmaxx.heads.backbones --import smollm2-135m "${parts[@]}" || die "importing the GGUF failed"
+    fi
+}
 
 if [ "${1:-}" = "--pack" ]; then
     DIR=${2:?usage: gpu_check.sh --pack DIR [PROMPTS.jsonl]}
@@ -51,6 +73,15 @@ print([d.locate_file(f) for f in d.files if str(f).endswith('.gguf')][0])") || d
     if [ "${GPU_CHECK_WHEELS:-1}" = 1 ]; then  # 0: skip the download (tests of the packing)
         $PY -m pip download -q --no-deps --only-binary=:all: -d "$DIR/extra" "transformers==$($PY -c \
 'import transformers; print(transformers.__version__)')" gguf==0.19.0 || die "pip download failed"
+        if [ "${GPU_CHECK_TRAIN:-0}" = 1 ]; then  # scripts/gpu_train.sh: DeepSpeed, datasets and what the machine lacks
+            $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+                --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+                -d "$DIR/extra" $(pinned datasets dill multiprocess fsspec hjson pydantic pydantic-core annotated-types \
+                typing-inspection typing-extensions) || die "pip download of the training wheels failed"
+            # DeepSpeed is an sdist: its pure-Python wheel, built against this venv's torch (no CUDA ops are built)
+            DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation -w "$DIR/extra" \
+                "$(pinned deepspeed)" || die "building the DeepSpeed wheel failed"
+        fi
     fi
     cp "$PROMPTS" "$DIR/extra/prompts.jsonl"
     # each call carries the repo (tracked files) and one folder: size the GGUF pieces to what is left of 64 MiB
@@ -77,6 +108,11 @@ print([d.locate_file(f) for f in d.files if str(f).endswith('.gguf')][0])") || d
 scripts/gpu_check.sh \$OUT\")"
     grep -qx "/$(basename "$DIR")/" .git/info/exclude 2>/dev/null || grep -qx "/$(basename "$DIR")/" .gitignore \
         || echo "note: ignore $DIR (e.g. in .git/info/exclude) so that it travels only when carried" >&2
+    exit 0
+fi
+
+if [ "${1:-}" = "--setup" ]; then  # scripts/gpu_train.sh: the device's environment alone (then: source $STAGE/env.sh)
+    device_env
     exit 0
 fi
 
@@ -113,15 +149,9 @@ else
     BENCH_ARGS=(--limit 2 --max_new_tokens 128 --warmup 2) BUDGET=(140 100 40 180)  # seconds: fast, id, lat, bench (~8 min in all)
     AUTO=mtp:auto
     # the backbone and the pinned transformers, from what --receive gathered
-    parts=("$STAGE"/in/part-*)  # in order; the import checks the joined sha256 (a missing piece fails there)
-    [ -f "${parts[0]}" ] || die "no GGUF pieces in $STAGE/in: run --receive for each packed folder while the \
-machine stays warm"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" "$STAGE"/in/*.whl \
-        || die "installing the carried wheels failed"
-    mkdir -p "$STAGE/src/tokenmaxx"  # the repo's folders as the tokenmaxx namespace package, without pip
-    for d in heads inference training scripts model_cards; do ln -sfn "$REPO/$d" "$STAGE/src/tokenmaxx/$d"; done
-    export PYTHONPATH="$STAGE/site:$STAGE/src${PYTHONPATH:+:$PYTHONPATH}" TOKENMAXX_CACHE="$STAGE/cache"
-    python3 -m tokenmaxx.heads.backbones --import smollm2-135m "${parts[@]}" || die "importing the GGUF failed"
+    [ -f "$(ls "$STAGE"/in/part-* 2>/dev/null | head -1)" ] || die "no GGUF pieces in $STAGE/in: run --receive for \
+each packed folder while the machine stays warm"
+    device_env
 fi
 [ -f "$PROMPTS" ] || die "no prompts file $PROMPTS (set GPU_CHECK_PROMPTS)"
 
