@@ -21,6 +21,7 @@ export cannot, so an engine drafts over the frequent tokens alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -74,7 +75,7 @@ def eagle3_config(heads: Eagle3Heads, backbone_layers: int, dtype: str) -> dict:
                                "use_aux_hidden_state": True}
     out["tokenmaxx"] = {"num_heads": hc.num_heads, "feature_layers": layers, "backbone": hc.backbone,
                         "backbone_revision": hc.backbone_revision,
-                        "dynamic_tree": None if hc.dynamic_tree is None else hc.dynamic_tree.to_dict()}
+                        "dynamic_tree": None if hc.dynamic_tree is None else dataclasses.asdict(hc.dynamic_tree)}
     return out
 
 

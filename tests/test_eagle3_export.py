@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.heads import Eagle3Heads, export_eagle3, load_backbone, load_eagle3
+from tokenmaxx.heads import DynamicTreeConfig, Eagle3Heads, export_eagle3, load_backbone, load_eagle3
 from tokenmaxx.heads.eagle3_export import ExportError
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.scripts import export_heads
@@ -163,6 +163,19 @@ def test_the_export_imports_back_with_identical_drafts(tmp_path, vocab):
         out_ = gen.generate(prompt, max_new_tokens=20)
         runs.append((out_.new_tokens, out_.stats.accepted_hist, drafter.feature_layers))
     assert runs[0] == runs[1] and runs[0][2] == (2, 4, 5)
+
+
+def test_heads_with_their_own_serving_tree_export_and_import_back_with_it(tmp_path):
+    """Trained heads carry the dynamic tree they were exported with (train_heads --dynamic_tree, as the shipped ones
+    do): the export keeps it in its tokenmaxx block and the import drafts with it again."""
+    model = tiny_model("llama", num_hidden_layers=8)
+    heads = Eagle3Heads.for_backbone(model, num_heads=3)
+    heads.config.dynamic_tree = DynamicTreeConfig(nodes=6, topk=3, min_mass=0.25)
+    out = export_eagle3(heads, model, tmp_path / "export")
+    assert _read(out)[1]["tokenmaxx"]["dynamic_tree"] == {"nodes": 6, "topk": 3, "depth": None, "min_mass": 0.25}
+    back = load_eagle3(out, model)
+    assert back.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3, min_mass=0.25)
+    assert back.drafter(model).config == DynamicTreeConfig(nodes=6, topk=3, min_mass=0.25)
 
 
 def test_bad_exports_and_imports_are_refused(tmp_path):
