@@ -7,7 +7,8 @@ kind it holds. This module imports nothing of tokenmaxx, so the config, the load
 from __future__ import annotations
 
 HEAD_KINDS: dict[str, type] = {}
-DEFAULT_HEAD_KIND = "mtp"  # the kind shipped as the default heads (fastest measured, docs/benchmarks.md)
+DEFAULT_HEAD_KIND = "mtp"  # the kind of fresh heads and training runs when none is named (not the shipped default's:
+# that is in its own config.json; eagle3 for smollm2-135m)
 
 
 def register_head_kind(name: str):

@@ -34,8 +34,8 @@ class GenerateArgs:
         "help": "heads folder or Hub id; default: the heads shipped for the backbone; 'untrained' builds fresh "
                 "heads (each guesses the backbone's own next token again: a weak baseline)"})
     kind: str | None = field(default=None, metadata={
-        "help": "medusa | mtp: use the shipped heads of this kind (or fresh ones of it with --heads untrained); "
-                f"default: the shipped default heads (kind {DEFAULT_HEAD_KIND!r})"})
+        "help": "medusa | mtp | eagle3: use the shipped heads of this kind (or fresh ones of it with --heads "
+                f"untrained); default: the shipped default heads, whatever their kind (fresh: {DEFAULT_HEAD_KIND!r})"})
     adapter: str | None = field(default=None, metadata={"help": "PEFT adapter merged into the backbone"})
     prompt: str = field(default=DEFAULT_PROMPT, metadata={"help": "the user message (or raw text with --raw)"})
     raw: bool = field(default=False, metadata={"help": "feed the prompt as raw text, without the chat template"})
