@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .eagle3 import Eagle3Heads, default_feature_layers
+from .modeling import _umask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -113,6 +114,10 @@ def export_eagle3(heads: Eagle3Heads, model, output_dir: str | os.PathLike, dtyp
     try:
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        mask = _umask()  # mkdtemp makes a 0700 folder: an engine running as another user could not read the export
+        for path in tmp.iterdir():
+            os.chmod(path, 0o666 & ~mask)
+        os.chmod(tmp, 0o777 & ~mask)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -8,6 +8,8 @@ engines read must be there with usable values.
 """
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -176,6 +178,18 @@ def test_heads_with_their_own_serving_tree_export_and_import_back_with_it(tmp_pa
     back = load_eagle3(out, model)
     assert back.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3, min_mass=0.25)
     assert back.drafter(model).config == DynamicTreeConfig(nodes=6, topk=3, min_mass=0.25)
+
+
+def test_the_export_has_the_usual_file_permissions(tmp_path):
+    """A serving engine often runs as another user: the export is readable as any folder written under the umask."""
+    mask = os.umask(0o022)
+    try:
+        _, _, out = _export(tmp_path)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == \
+        {"config.json": 0o644, "model.safetensors": 0o644}
 
 
 def test_bad_exports_and_imports_are_refused(tmp_path):
