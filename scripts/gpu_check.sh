@@ -48,7 +48,7 @@ pinned() { for name in "$@"; do echo "$name==$($PY -c "import importlib.metadata
 # device_env: the carried wheels installed into $STAGE/site, the repo's folders as the tokenmaxx package, and the GGUF
 # pieces (when some were carried) imported into the backbone cache; the exports go into $STAGE/env.sh for later steps
 device_env() {
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" "$STAGE"/in/*.whl \
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$STAGE/site" "$STAGE"/in/*.whl \
         || die "installing the carried wheels failed"
     mkdir -p "$STAGE/src/tokenmaxx"  # the repo's folders as the tokenmaxx namespace package, without pip
     for d in heads inference training scripts model_cards; do ln -sfn "$REPO/$d" "$STAGE/src/tokenmaxx/$d"; done
