@@ -2,7 +2,7 @@
 """Benchmark tokenmaxx against plain generate, prompt lookup and assisted generation in one interleaved run.
 
     python scripts/bench.py --prompts spec_bench_dev.jsonl --limit 5 \
-        --methods baseline,prompt_lookup,tokenmaxx,mtp,lookup --out runs/bench
+        --methods baseline,prompt_lookup,tokenmaxx,hybrid,lookup --out runs/bench
 
 Writes OUT.json (config, machine, methods -> overall/categories), OUT.md (table), OUT.png (plot) and
 OUT.prompts.jsonl (one row per prompt and method, every prompt-lookup setting included: for paired comparisons).
@@ -40,7 +40,7 @@ class BenchArgs:
     medusa_heads: str | None = field(default=None, metadata={
         "help": "heads of the medusa[_hybrid] methods (default: the shipped Medusa heads)"})
     mtp_heads: str | None = field(default=None, metadata={
-        "help": "heads of the mtp[_hybrid] methods (default: the shipped MTP heads)"})
+        "help": "heads of the mtp[_hybrid] methods (default: the shipped MTP heads, where some ship)"})
     dtype: str = field(default=DEFAULT_DTYPE, metadata={
         "help": "auto (bfloat16 where it is native: a GPU, a CPU with AVX-512 BF16 / AMX; else float32) | float32 | "
                 "bfloat16 | float16"})

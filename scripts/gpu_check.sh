@@ -139,7 +139,7 @@ if [ $DRY = 1 ]; then
     FAST=(tests/test_verify.py tests/test_greedy.py -x)
     ID_ARGS=(--limit 1 --max_new_tokens 12 --warmup 1) SIZES=1,2,4,8 REPEATS=2
     BENCH_ARGS=(--limit 1 --max_new_tokens 16 --warmup 1) BUDGET=(600 600 600 1500)  # s: fast, id, lat, bench (a slow CPU)
-    AUTO=mtp:auto:prompts=2,tokens=16  # tree="auto" calibrated on toy text: the same steps, minutes sooner on a CPU
+    AUTO=tokenmaxx:auto:prompts=2,tokens=16  # tree="auto" calibrated on toy text: the same steps, minutes sooner on a CPU
 else
     DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8 DTYPE=bfloat16
     PROMPTS=${GPU_CHECK_PROMPTS:-$STAGE/in/prompts.jsonl}
@@ -147,7 +147,7 @@ else
           tests/test_sampling.py tests/test_threads.py)
     ID_ARGS=(--limit 1 --max_new_tokens 64 --warmup 1) SIZES=1,2,4,8,16,32,64,96,128 REPEATS=10
     BENCH_ARGS=(--limit 2 --max_new_tokens 128 --warmup 2) BUDGET=(140 100 40 180)  # seconds: fast, id, lat, bench (~8 min in all)
-    AUTO=mtp:auto
+    AUTO=tokenmaxx:auto
     # the backbone and the pinned transformers, from what --receive gathered
     [ -f "$(ls "$STAGE"/in/part-* 2>/dev/null | head -1)" ] || die "no GGUF pieces in $STAGE/in: run --receive for \
 each packed folder while the machine stays warm"
@@ -177,11 +177,11 @@ step fast_tier "${BUDGET[0]}" env TOKENMAXX_TEST_DEVICE="$DEV" $PY -m pytest -q 
     "${FAST[@]}"
 BENCH=($PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --lookup_tokens 10)
 step identity_fp32 "${BUDGET[1]}" "${BENCH[@]}" --dtype float32 --out "$WORK/identity_fp32" \
-    --methods baseline,mtp,mtp_hybrid,medusa,medusa_hybrid,lookup "${ID_ARGS[@]}"
+    --methods baseline,tokenmaxx,hybrid,medusa,medusa_hybrid,lookup "${ID_ARGS[@]}"
 step latency "${BUDGET[2]}" $PY scripts/device_check.py latency --device "$DEV" --dtype $DTYPE --sizes $SIZES \
     --repeats $REPEATS --threads $THREADS --out "$WORK/latency.json"
 step bench "${BUDGET[3]}" "${BENCH[@]}" --dtype $DTYPE --out "$WORK/bench" \
-    --methods baseline,prompt_lookup,mtp,mtp_hybrid,medusa_hybrid,lookup,$AUTO "${BENCH_ARGS[@]}"
+    --methods baseline,prompt_lookup,tokenmaxx,hybrid,medusa_hybrid,lookup,$AUTO "${BENCH_ARGS[@]}"
 $PY scripts/device_check.py report "$WORK" "$OUT"
 status=$?
 # at most 8 files come back from a device call: the report, this log, the fast tier's log, the results

@@ -59,10 +59,10 @@ def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
     for name in ("env", "fast_tier", "identity_fp32", "latency", "bench"):
         assert f"| {name} | 0 |" in report
     identity = json.loads((out / "identity_fp32.json").read_text())["methods"]
-    assert {"mtp", "mtp_hybrid", "medusa", "medusa_hybrid", "lookup"} <= set(identity)
+    assert {"tokenmaxx", "hybrid", "medusa", "medusa_hybrid", "lookup"} <= set(identity)
     assert all(m["overall"]["identical_rate"] == 1.0 for m in identity.values())
     bench = json.loads((out / "bench.json").read_text())
-    assert {"baseline", "prompt_lookup", "mtp", "mtp_hybrid", "lookup", "mtp:auto:prompts=2,tokens=16"} \
+    assert {"baseline", "prompt_lookup", "tokenmaxx", "hybrid", "lookup", "tokenmaxx:auto:prompts=2,tokens=16"} \
         <= set(bench["methods"])
     assert set(json.loads((out / "latency.json").read_text())["ms"]) == {"1", "2", "4", "8"}
     files = sorted(p.name for p in out.iterdir())
