@@ -13,8 +13,8 @@
 #                 SDPA kernels, sampling distributions, MTP, lookup
 #   3. identity   greedy token identity vs plain `generate` on the real backbone in fp32, every drafting mode
 #   4. latency    the verify-latency curve: one forward of 1..128 tree tokens over a 256-token cache, bf16
-#   5. bench      bf16 bench on the dev prompts: baseline, prompt lookup, MTP and Medusa heads, hybrids, lookup
-#                 only, and the MTP heads with tree="auto" calibrated on this device
+#   5. bench      bf16 bench on the dev prompts: baseline, prompt lookup, the default (EAGLE-3) and Medusa heads
+#                 alone and as hybrids, lookup only, and the default heads with tree="auto" calibrated on this device
 #   6. report     OUT/report.md (+ the bench's json/md/png, the logs); exit 1 if a step failed or fp32 identity broke
 #
 # What must travel to an offline GPU machine (the device tool carries at most 64 MiB a call, the repo included):
@@ -175,7 +175,7 @@ torch.cuda.get_device_name(0))"
 cat "$WORK/env.log" >>"$WORK/env.txt"
 step fast_tier "${BUDGET[0]}" env TOKENMAXX_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider -m "not real" \
     "${FAST[@]}"
-BENCH=($PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --lookup_tokens 10)
+BENCH=($PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --lookup_tokens 10 --draft heads)
 step identity_fp32 "${BUDGET[1]}" "${BENCH[@]}" --dtype float32 --out "$WORK/identity_fp32" \
     --methods baseline,tokenmaxx,hybrid,medusa,medusa_hybrid,lookup "${ID_ARGS[@]}"
 step latency "${BUDGET[2]}" $PY scripts/device_check.py latency --device "$DEV" --dtype $DTYPE --sizes $SIZES \
