@@ -149,7 +149,7 @@ else
     BENCH_ARGS=(--limit 2 --max_new_tokens 128 --warmup 2) BUDGET=(140 100 40 180)  # seconds: fast, id, lat, bench (~8 min in all)
     AUTO=tokenmaxx:auto
     # the backbone and the pinned transformers, from what --receive gathered
-    [ -f "$(ls "$STAGE"/in/part-* 2>/dev/null | head -1)" ] || die "no GGUF pieces in $STAGE/in: run --receive for \
+    compgen -G "$STAGE/in/part-*" >/dev/null || die "no GGUF pieces in $STAGE/in: run --receive for \
 each packed folder while the machine stays warm"
     device_env
 fi

@@ -6,14 +6,14 @@
 #                                               in KINDS trained at once on the one GPU, sized to the budget
 #   bash scripts/gpu_train.sh --smoke OUT       the same steps on a tiny random backbone and data (--make-smoke), on
 #                                               GPU_TRAIN_DEVICE (default cuda): a minute, before the real run
-#   bash scripts/gpu_train.sh --dry-run OUT     the smoke run on the CPU (CI runs it in tests/test_gpu_check.py)
+#   bash scripts/gpu_train.sh --dry-run OUT     the smoke run on the CPU (CI runs it in tests/test_gpu_train.py)
 #   bash scripts/gpu_train.sh --make-smoke DIR  here: the tiny backbone and data part the smoke run reads (carried)
 #
 # Steps (the log has each one's seconds):
 #   1. setup   the carried wheels and GGUF pieces (scripts/gpu_check.sh --setup; the CPU runs use this venv)
 #   2. merge   the parts -> one dataset (scripts/merge_data.py), as the recipe's merge stage
-#   3. probe   each kind PROBE steps, all kinds at once: seconds a step (median after the first two) and the run's
-#              fixed cost (start, held-out eval, export)
+#   3. probe   each kind PROBE steps, all kinds at once, on the real runs' split: seconds a step (median after the
+#              first two), the steps an epoch takes and the run's fixed cost (start, held-out eval, export)
 #   4. train   each kind for as many epochs as the budget leaves (at most MAX_EPOCHS, at least MIN_EPOCHS), all at
 #              once; the LR schedule is sized to that, so a run ends annealed; a run past the deadline is stopped and
 #              its last checkpoint (every SAVE_EVERY steps) is what is left
@@ -136,12 +136,13 @@ train_run() {
 
 # 3. probe: every kind at once, as the real runs will share the GPU
 phase probe
+declare -A PID  # kind -> its running process
 for kind in $KINDS; do
-    train_run "$kind" "probe-$kind" --max_steps "$PROBE" --warmup 2 --save_every 0 --eval_max_examples 8 &
-    eval "probe_pid_$kind=$!"
+    train_run "$kind" "probe-$kind" --max_steps "$PROBE" --warmup 2 --save_every 0 &  # the real runs' split and eval
+    PID[$kind]=$!
 done
 for kind in $KINDS; do
-    t0=$SECONDS; pid_var="probe_pid_$kind"; wait "${!pid_var}"; status=$?
+    wait "${PID[$kind]}"; status=$?
     [ $status = 0 ] || { tail -20 "$WORK/probe-$kind.log"; die "the $kind probe failed (exit $status)"; }
 done
 probe_end=$SECONDS
@@ -151,14 +152,16 @@ phase train
 left=$((BUDGET - (SECONDS - START) - 45))  # 45 s: packing, and the slack of concurrent runs
 for kind in $KINDS; do
     epochs=$($PY - "$WORK/probe-$kind" "$left" "$MICRO" "$MAX_EPOCHS" "$MIN_EPOCHS" <<'EOF'
-import json, math, statistics, sys
+import json, statistics, sys
 from pathlib import Path
+
+from tokenmaxx.training.ds_setup import steps_per_epoch
 run, left, micro, most, least = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
 steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 step_s = statistics.median(r["step_s"] for r in steps if r["split"] == "train" and r["step"] > 2)
 config = json.loads((run / "heads" / "config.json").read_text())["extra"]
 fixed = config["wall_seconds"] - sum(r["step_s"] for r in steps if r["split"] == "train")
-per_epoch = math.ceil(config["data"]["train_examples"] / micro)
+per_epoch = steps_per_epoch(config["data"]["train_examples"], 1, micro, 1)
 epochs = max(least, min(most, (left - 1.5 * fixed) / (step_s * per_epoch)))
 print(f"{epochs:.2f}")
 print(f"probe: {step_s:.3f} s a step, fixed {fixed:.0f} s, {per_epoch} steps an epoch, {left:.0f} s left -> "
@@ -167,11 +170,11 @@ EOF
 ) || die "reading the $kind probe failed"
     echo "$kind: $epochs epochs"
     train_run "$kind" "run-$kind" --epochs "$epochs" --warmup "$WARMUP" --save_every "$SAVE_EVERY" &
-    eval "run_pid_$kind=$!"
+    PID[$kind]=$!
 done
 failed=0
 for kind in $KINDS; do
-    pid_var="run_pid_$kind"; wait "${!pid_var}"; status=$?
+    wait "${PID[$kind]}"; status=$?
     echo "run-$kind: exit $status after $((SECONDS - probe_end)) s"
     [ $status = 0 ] || { tail -5 "$WORK/run-$kind.log"; failed=1; }
 done
