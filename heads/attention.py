@@ -19,7 +19,9 @@ transformers' own prompt-lookup generation). On CUDA the keyword is never passed
 The same function serves the sequential heads' training-time unroll (``unrolled_attention``, keyword
 ``tokenmaxx_unrolled=True``): every depth's queries see the depth-1 keys causally plus their own chain's keys at the
 deeper depths, one key per depth. That is computed as what it is (a causal [T, T] block and d-1 scores per query)
-instead of SDPA over all d*T keys through a dense mask, whose CPU backward was a quarter of a training step.
+instead of SDPA over all d*T keys through a dense mask, whose CPU backward was a quarter of a training step. Depths 2..D
+run at the trained anchors only (``SequentialHeads.training_states``); the keyword then carries each anchor's visible
+depth-1 prefix.
 """
 
 from __future__ import annotations
@@ -34,37 +36,44 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 IMPLEMENTATION = "tokenmaxx_sdpa"
 SHARE_KV_HEADS = "tokenmaxx_share_kv_heads"  # forward keyword: this masked call may let SDPA share the KV heads
-UNROLLED = "tokenmaxx_unrolled"  # forward keyword: the call is a depth of the training-time unroll (unrolled_attention)
+UNROLLED = "tokenmaxx_unrolled"  # forward keyword: a depth of the training unroll (True or visible: unrolled_attention)
 
 
 def unrolled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       scaling: float | None = None) -> torch.Tensor:
+                       scaling: float | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one depth d of the sequential heads' training unroll (``SequentialHeads.unrolled_states``).
 
-    query [B, Hq, T, D] (depth d at anchors 0..T-1); key/value [B, Hkv, d*T, D]: the depth-1 entries of all T anchors,
-    then those of depths 2..d (T each, in the cache's order). Query t sees depth-1 keys 0..t (causal) and, at each
-    depth 2..d, the key of its own anchor t (its chain). The scores are matmuls in the inputs' dtype, the softmax in
-    fp32 (transformers' eager attention's numerics). Returns [B, T, Hq, D] like transformers' attention functions.
+    query [B, Hq, M, D]: depth d at M anchors; key/value [B, Hkv, T + (d-1)*M, D]: the depth-1 entries of all T
+    positions, then those of depths 2..d (M each, one per anchor, in the cache's order). A query sees the depth-1 keys
+    that ``visible`` [B, M, T] allows (its anchor's causal prefix) and, at each depth 2..d, the key of its own anchor
+    (its chain). ``visible`` None: the anchors are all T positions (M = T) and the prefix is the causal one. The
+    scores are matmuls in the inputs' dtype, the softmax in fp32 (transformers' eager attention's numerics).
+    Returns [B, M, Hq, D] like transformers' attention functions.
     """
-    bsz, heads, seq, dim = query.shape
-    if key.shape[2] % seq:
-        raise ValueError(f"unrolled attention: {key.shape[2]} keys are not a whole number of depths of {seq} anchors")
+    bsz, heads, anchors, dim = query.shape
+    seq = anchors if visible is None else visible.shape[-1]
+    if key.shape[2] < seq or (key.shape[2] - seq) % anchors:
+        raise ValueError(f"unrolled attention: {key.shape[2]} keys are not {seq} depth-1 entries and whole depths of "
+                         f"{anchors} anchors")
     groups = heads // key.shape[1]
     if groups > 1:  # grouped-query layers: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     scale = dim ** -0.5 if scaling is None else scaling
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
-    first = torch.matmul(query, key[:, :, :seq].transpose(-1, -2)) * scale  # [B, H, T, T]
-    first = first.masked_fill(~causal, torch.finfo(first.dtype).min)
+    if visible is None:
+        visible = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
+    else:
+        visible = visible[:, None]  # [B, 1, M, T]
+    first = torch.matmul(query, key[:, :, :seq].transpose(-1, -2)) * scale  # [B, H, M, T]
+    first = first.masked_fill(~visible, torch.finfo(first.dtype).min)
     if key.shape[2] == seq:  # depth 1: plain causal attention
         probs = first.float().softmax(-1).to(query.dtype)
         return torch.matmul(probs, value).transpose(1, 2).contiguous()
-    depths = key.shape[2] // seq
-    chain_k = key[:, :, seq:].unflatten(2, (depths - 1, seq))  # [B, H, d-1, T, D]
-    chain_v = value[:, :, seq:].unflatten(2, (depths - 1, seq))
-    own = torch.einsum("bhtx,bhjtx->bhtj", query, chain_k) * scale  # [B, H, T, d-1]
-    probs = torch.cat([first, own], dim=-1).float().softmax(-1).to(query.dtype)  # [B, H, T, T+d-1]
-    out = torch.matmul(probs[..., :seq], value[:, :, :seq])  # [B, H, T, D]
+    depths = (key.shape[2] - seq) // anchors + 1
+    chain_k = key[:, :, seq:].unflatten(2, (depths - 1, anchors))  # [B, H, d-1, M, D]
+    chain_v = value[:, :, seq:].unflatten(2, (depths - 1, anchors))
+    own = torch.einsum("bhtx,bhjtx->bhtj", query, chain_k) * scale  # [B, H, M, d-1]
+    probs = torch.cat([first, own], dim=-1).float().softmax(-1).to(query.dtype)  # [B, H, M, T+d-1]
+    out = torch.matmul(probs[..., :seq], value[:, :, :seq])  # [B, H, M, D]
     out = out + torch.einsum("bhtj,bhjtx->bhtx", probs[..., seq:], chain_v)
     return out.transpose(1, 2).contiguous()
 
@@ -73,12 +82,14 @@ def sdpa_sharing_kv_heads(module, query: torch.Tensor, key: torch.Tensor, value:
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention; with ``tokenmaxx_share_kv_heads=True`` and a mask, SDPA's ``enable_gqa`` instead
-    of copied key/value heads; with ``tokenmaxx_unrolled=True``, ``unrolled_attention`` (no mask). query
+    of copied key/value heads; with ``tokenmaxx_unrolled`` (True, or the anchors' visible depth-1 prefixes [B, M, T]),
+    ``unrolled_attention`` (no mask). query
     [B, Hq, n, d], key/value [B, Hkv, C+n, d], mask [B or 1, 1, n, C+n] additive.
     Returns ([B, n, Hq, d], None) like transformers' attention functions."""
     share = kwargs.pop(SHARE_KV_HEADS, False)
-    if kwargs.pop(UNROLLED, False):
-        return unrolled_attention(query, key, value, scaling), None
+    unrolled = kwargs.pop(UNROLLED, False)
+    if unrolled is not False:
+        return unrolled_attention(query, key, value, scaling, None if unrolled is True else unrolled), None
     if not share or attention_mask is None or getattr(module, "num_key_value_groups", 1) <= 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -59,39 +59,57 @@ class SequentialHeads(DraftHeads):
         """Output states [..., H] -> logits [..., V] through the final norm and the backbone's lm_head."""
         return lm_head(self.norm(states))
 
-    # ---- training: all D depths at every anchor ------------------------------------------------------------------
+    # ---- training: the unroll over all D depths ------------------------------------------------------------------
     def unrolled_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
                         depths: int | None = None) -> torch.Tensor:
-        """Training-time unroll. hidden [B, T, F] backbone features, input_ids [B, T] (right-padded).
+        """Training-time unroll at every anchor. hidden [B, T, F] backbone features, input_ids [B, T] (right-padded).
 
         Depth d at anchor a is conditioned on the true token at a+d and on the module's OWN depth d-1 output (the
         situation at inference along a correct draft path). Returns final-normed states [D, B, T, H]; row d-1 at a
         predicts the token at a+d+1 (positions whose inputs run past the sequence hold garbage: mask them).
         """
-        depths = depths or self.config.num_heads
-        bsz, seq, _ = hidden.shape
-        cache = DynamicCache()
-        anchors = torch.arange(seq, device=hidden.device)
-        prev, outs = self.lift(hidden), []
-        for d in range(1, depths + 1):
-            shifted = torch.zeros_like(input_ids)
-            if d < seq:
-                shifted[:, : seq - d] = input_ids[:, d:]  # token at a+d
-            # keys: depth-1 causal + the own chain's deeper entries (``attention.unrolled_attention``, no mask)
-            prev = self.step(prev, shifted, embed, (anchors + d - 1)[None].expand(bsz, seq), None, cache,
-                             **{UNROLLED: True})
-            outs.append(self.norm(prev))
-        return torch.stack(outs)
+        return self._unroll(hidden, input_ids, embed, depths)[0]
 
     def training_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module | None,
                         selected: torch.Tensor | None = None) -> torch.Tensor:
-        """The training unroll (``unrolled_states``) over all of [B, T] (each depth attends over the sequence and
-        reads the tokens), then the rows at the selected [B, T] positions: [D, n, H] (all: [D, B, T, H])."""
+        """The training unroll (``unrolled_states``), then the rows at the selected [B, T] positions: [D, n, H] (all:
+        [D, B, T, H]). Depth 1 runs over all of [B, T] (its entries are every later query's keys); depths 2..D run
+        at the selected anchors only (a prompt position or padding has no target at any depth, and its chain is read
+        by nothing else), which is most of a step's unroll on prompts as long as their answers."""
         if embed is None or input_ids is None:
             raise ValueError(f"{self.kind!r} heads read tokens: pass input_ids [B, T] and the backbone's input "
                              "embedding as embed=model.get_input_embeddings()")
-        states = self.unrolled_states(hidden, input_ids, embed)
-        return states if selected is None else states[:, selected]
+        states, kept = self._unroll(hidden, input_ids, embed, anchors=selected)
+        return states if selected is None else states[:, kept]
+
+    def _unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, depths: int | None = None,
+                anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The unroll with depths 2..D at the ``anchors`` [B, T] bool only (None: all). Returns the final-normed
+        states [D, B, M, H] at M anchor slots per row (the row's anchors in order, then filler) and which slots are
+        anchors [B, M] (None when anchors is None: the slots are the T positions)."""
+        depths = depths or self.config.num_heads
+        bsz, seq, _ = hidden.shape
+        cache = DynamicCache()
+        where = torch.arange(seq, device=hidden.device)[None].expand(bsz, seq)  # [B, M] each slot's position
+        prev = self.step(self.lift(hidden), _tokens_at(input_ids, where + 1), embed, where, None, cache,
+                         **{UNROLLED: True})
+        visible, kept = True, None
+        if anchors is not None and depths > 1:
+            counts = anchors.sum(1)
+            # each row's anchors first, in order; filler slots (a row with fewer anchors) repeat real positions
+            where = torch.argsort((~anchors).to(torch.uint8), dim=1, stable=True)[:, : max(int(counts.max()), 1)]
+            kept = torch.arange(where.shape[1], device=where.device)[None] < counts[:, None]
+            prev = prev.gather(1, where[..., None].expand(-1, -1, prev.shape[-1]))
+            visible = torch.arange(seq, device=where.device)[None, None] <= where[..., None]  # [B, M, T]
+        elif anchors is not None:
+            kept = anchors
+        outs = [self.norm(prev)]
+        for d in range(2, depths + 1):
+            # keys: the depth-1 causal prefix + the own chain's deeper entries (``attention.unrolled_attention``)
+            prev = self.step(prev, _tokens_at(input_ids, where + d), embed, where + d - 1, None, cache,
+                             **{UNROLLED: visible})
+            outs.append(self.norm(prev))
+        return torch.stack(outs), kept
 
     # ---- drafting -------------------------------------------------------------------------------------------------
     def drafter(self, model, tree=None, draft_vocab: bool = True) -> "SequentialDrafter":
@@ -259,3 +277,9 @@ class SequentialDrafter:
                 self.cache.crop(cached - self.cached)
         return Draft(tokens=grown.tokens, buffers=grown.buffers, sources=torch.full_like(grown.tokens, HEADS),
                      values=grown.scores.exp())
+
+
+def _tokens_at(input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """input_ids [B, T] at positions where [B, M]; 0 past the sequence's end."""
+    inside = where < input_ids.shape[1]
+    return input_ids.gather(1, where.clamp(max=input_ids.shape[1] - 1)).masked_fill(~inside, 0)

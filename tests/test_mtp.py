@@ -86,6 +86,44 @@ def test_training_unroll_equals_cached_tree_inference(arch, make):
         assert torch.allclose(heads.norm(s3[0, 0]), unrolled[2, 0, a], atol=1e-5)
 
 
+def _two_layer_mtp(model):
+    heads = MTPHeads.for_backbone(model, num_heads=3, num_layers=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+    return heads
+
+
+@pytest.mark.parametrize("make", [random_mtp, _two_layer_mtp, random_eagle3], ids=["mtp", "mtp-2-layers", "eagle3"])
+def test_training_states_at_selected_anchors_equal_the_whole_unroll(make):
+    """training_states runs depths 2..D at the selected anchors only: the same states, and the same gradients in the
+    module's weights, as the unroll over every position cut to those anchors. Rows with different anchor counts (one
+    with none), a selection that runs to the last position, a two-layer MTP module."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    heads = make(model).train()
+    embed = model.get_input_embeddings()
+    ids = torch.randint(3, 96, (3, 17), generator=torch.Generator().manual_seed(2))
+    selected = torch.zeros(3, 17, dtype=torch.bool)
+    selected[0, 5:] = True  # a prompt of 5, then the answer to the end
+    selected[1, [2, 3, 9, 10, 11]] = True
+    with torch.no_grad():
+        hidden = backbone_features(model(ids, output_hidden_states=True).hidden_states, heads.feature_layers)
+    weights = [p for p in heads.parameters() if p.requires_grad]
+    probe = torch.randn(heads.config.num_heads, int(selected.sum()), model.config.hidden_size)
+
+    def run(states):
+        grads = torch.autograd.grad((states * probe).sum(), weights)
+        return states.detach(), grads
+
+    whole, whole_grads = run(heads.unrolled_states(hidden, ids, embed)[:, selected])
+    cut, cut_grads = run(heads.training_states(hidden, ids, embed, selected))
+    assert cut.shape == whole.shape
+    assert torch.allclose(cut, whole, atol=1e-5)
+    for a, b in zip(cut_grads, whole_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def _bias(visible):
     bias = torch.zeros(1, 1, *visible.shape)
     return bias.masked_fill(~visible, torch.finfo(bias.dtype).min)

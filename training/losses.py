@@ -114,9 +114,9 @@ class HeadsObjective(nn.Module):
     weight.
 
     The heads say what they compute (``DraftHeads.training_states``): per position for Medusa heads (only the
-    selected positions are run), over the whole [B, T] batch for sequential (MTP) heads, whose depths attend over the
-    sequence and read the tokens; either way the result is [K, n, H] at the selected positions, and depth d obeys
-    head k = d's offset rule.
+    selected positions are run), for sequential (MTP, EAGLE-3) heads depth 1 over the whole [B, T] batch (their
+    depths attend over the sequence and read the tokens) and the deeper depths at the selected anchors; either way
+    the result is [K, n, H] at the selected positions, and depth d obeys head k = d's offset rule.
 
     Heads that share the backbone's lm_head are scored through ``linear_cross_entropy`` on these states without
     materialising [K, n, V] logits; other heads through their logits.
