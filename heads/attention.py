@@ -3,25 +3,26 @@
 Given a mask, transformers' SDPA attention repeats each key/value head for the query heads that share it (a copy of
 the layer's whole cache, every layer, every forward) instead of letting SDPA broadcast them (``enable_gqa``), because
 on CUDA a mask with ``enable_gqa`` falls back to the slow math kernel. On CPU SDPA takes both: with 2+ queries the
-result is the same bit for bit (SmolLM2 bf16 and fp32 at 37-777 cached tokens, 2-16 nodes; tiny models in the tests),
-and a tree verify forward is ~5-8% faster (SmolLM2-135M, 9 nodes, 400 cached tokens). A single query differs at
-rounding level from transformers' own single-query layout (fp32: 1e-5), as any two attention kernels do; greedy output
+result is the same bit for bit (checked on SmolLM2 in bf16 and fp32, and on the tiny models of the tests), and a tree
+verify forward is faster without the copies (docs/benchmarks.md, "Figures moved from the code"). A single query
+differs at rounding level from transformers' own single-query layout, as any two attention kernels do; greedy output
 stays identical to ``generate`` in fp32 (tested).
 
 How it is switched: ``sdpa_sharing_kv_heads`` is registered through transformers' public ``AttentionInterface`` as
 ``"tokenmaxx_sdpa"``. It is transformers' own SDPA attention for every call, except a masked call that carries the
-keyword ``tokenmaxx_share_kv_heads=True``, which only tokenmaxx's tree forwards pass (``shared_kv_kwargs``). The
-keyword travels with the forward call, so nothing process-wide changes and two threads generating at once each get
-what they asked for. A backbone on transformers' "sdpa" is moved onto it once (``shared_kv_kwargs``): its other
-forwards compute exactly what they did (the same attention function and the same masks, ``sdpa_mask``; tested with
-transformers' own prompt-lookup generation). On CUDA the keyword is never passed (there it would be slower).
+keyword ``tokenmaxx_share_kv_heads=True``, which only tokenmaxx's tree forwards pass (``shared_kv_kwargs``, which
+only reads the model). The keyword travels with the forward call, so nothing process-wide changes and two threads
+generating at once each get what they asked for. Whoever builds the backbone moves it from transformers' "sdpa" onto
+"tokenmaxx_sdpa" (``use_shared_kv_attention``, called by ``io.backbones.load_backbone``): its other forwards compute
+exactly what they did (the same attention function and the same masks, ``sdpa_mask``; tested with transformers' own
+prompt-lookup generation). On CUDA the keyword is never passed (there it would be slower).
 
 The same function serves the sequential heads' training-time unroll (``unrolled_attention``, keyword
 ``tokenmaxx_unrolled=True``): every depth's queries see the depth-1 keys causally plus their own chain's keys at the
 deeper depths, one key per depth. That is computed as what it is (a causal [T, T] block and d-1 scores per query)
-instead of SDPA over all d*T keys through a dense mask, whose CPU backward was a quarter of a training step. Depths 2..D
-run at the trained anchors only (``SequentialHeads.training_states``); the keyword then carries each anchor's visible
-depth-1 prefix.
+instead of SDPA over all d*T keys through a dense mask, whose CPU backward was a large share of a training step
+(docs/benchmarks.md). Depths 2..D run at the trained anchors only (``SequentialHeads.training_states``); the keyword
+then carries each anchor's visible depth-1 prefix.
 """
 
 from __future__ import annotations
@@ -119,15 +120,24 @@ def shares_kv_heads(model) -> bool:
     return (getattr(config, "num_key_value_heads", None) or heads) < heads and key_dim == value_dim <= 256
 
 
-def shared_kv_kwargs(model) -> dict:
-    """The forward keywords with which ``model``'s masked tree forwards share the key/value heads ({} where that does
-    not apply). Moves a backbone from transformers' "sdpa" onto the equivalent "tokenmaxx_sdpa" the first time."""
+def use_shared_kv_attention(model) -> bool:
+    """Move ``model`` from transformers' "sdpa" onto the equivalent "tokenmaxx_sdpa" where its tree forwards can share
+    the key/value heads (``shares_kv_heads``); returns whether it is on it now. Its other forwards compute exactly what
+    they did. Changes the model: called by whoever builds it (``load_backbone``), never by a generator."""
     forward = inspect.signature(model.forward).parameters.values()
     if not shares_kv_heads(model) or not any(p.kind is p.VAR_KEYWORD for p in forward):
-        return {}  # no grouped-query layers here, or a forward that cannot pass the keyword on
+        return False  # no grouped-query layers here, or a forward that cannot pass the keyword on
     current = getattr(model.config, "_attn_implementation", None)
     if current == "sdpa":
         model.set_attn_implementation(IMPLEMENTATION)
-    elif current != IMPLEMENTATION:
-        return {}  # eager, flash, ...: their own attention, untouched
-    return {SHARE_KV_HEADS: True}
+        current = IMPLEMENTATION
+    return current == IMPLEMENTATION
+
+
+def shared_kv_kwargs(model) -> dict:
+    """The forward keywords with which ``model``'s masked tree forwards share the key/value heads: {} unless it is on
+    "tokenmaxx_sdpa" (``use_shared_kv_attention``) and its layers can share them. Reads the model, changes nothing."""
+    if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION or not shares_kv_heads(model):
+        return {}
+    forward = inspect.signature(model.forward).parameters.values()
+    return {SHARE_KV_HEADS: True} if any(p.kind is p.VAR_KEYWORD for p in forward) else {}

@@ -1,4 +1,6 @@
-"""HeadsConfig: what a set of draft heads is, and which backbone it was made for. Saved as config.json."""
+"""HeadsConfig: what a set of draft heads is, and which backbone it was made for. Saved as config.json.
+
+``backbone_identity`` reads the same identity off a loaded backbone, for the heads to be compared against."""
 
 from __future__ import annotations
 
@@ -18,13 +20,18 @@ WEIGHTS_NAME = "model.safetensors"
 @dataclass
 class HeadsConfig:
     kind: str = field(default=DEFAULT_HEAD_KIND, metadata={
-        "help": "head kind (a registered name: 'mtp', 'medusa', 'eagle3')"})
-    num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions after the current one"})
-    num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
+        "help": "head kind, a registered name: 'eagle3' (the kind of the shipped default heads), 'mtp' or 'medusa'; "
+                "default: registry.DEFAULT_HEAD_KIND, the kind of fresh heads"})
+    num_heads: int = field(default=4, metadata={
+        "help": "number of heads (Medusa) or draft depth (sequential kinds: EAGLE-3, MTP): head k, or depth d = k, "
+                "predicts the token k+1 positions after the current one"})
+    num_layers: int = field(default=1, metadata={
+        "help": "residual blocks per head (Medusa) or decoder layers of the draft module (MTP; EAGLE-3: always 1)"})
     hidden_size: int = field(default=0, metadata={"help": "backbone hidden size H"})
     vocab_size: int = field(default=0, metadata={"help": "backbone vocabulary size V"})
     share_lm_head: bool = field(default=True, metadata={
-        "help": "project with the backbone's frozen lm_head (small checkpoint) instead of a trained copy per head"})
+        "help": "project with the backbone's frozen lm_head (small checkpoint) instead of a trained copy per head "
+                "(Medusa only; the sequential kinds always share it)"})
     backbone: str | None = field(default=None, metadata={"help": "backbone alias / path / Hub id the heads were made for"})
     backbone_revision: str | None = field(default=None, metadata={"help": "backbone revision (GGUF sha256 or commit)"})
     adapter: str | None = field(default=None, metadata={"help": "PEFT adapter merged into the backbone, if any"})
@@ -35,13 +42,14 @@ class HeadsConfig:
     layer_config: dict[str, Any] | None = field(default=None, metadata={
         "help": "kinds 'mtp', 'eagle3': the config (model_type and sizes) their decoder layers are built from"})
     feature_layers: list[int] | None = field(default=None, metadata={
-        "help": "what the heads read of the backbone: None = its final-normed last hidden state; a list = its "
-                "hidden_states at these indices (i: the input of layer i, 0 the embeddings, L the final-normed "
-                "output), concatenated (kind 'eagle3': low, middle and high layers)"})
+        "help": "what the heads read of the backbone: None = its final-normed last hidden state (kinds 'medusa', "
+                "'mtp'); a list = its hidden_states at these indices (i: the input of layer i, 0 the embeddings, L "
+                "the final-normed output), concatenated (kind 'eagle3': a low, a middle and a high layer)"})
     tree: list[list[int]] | None = field(default=None, metadata={
         "help": "kinds that draft static trees (medusa): the tree as paths of ranks; None: the library's default"})
     dynamic_tree: DynamicTreeConfig | None = field(default=None, metadata={
-        "help": "kinds that draft dynamic trees (mtp): node budget, top-k, depth, min_mass; None: the defaults"})
+        "help": "kinds that draft dynamic trees (the sequential kinds: eagle3, mtp): node budget, top-k, depth, "
+                "min_mass; None: the defaults"})
     extra: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "provenance: training config, data, metrics (free-form, JSON-serialisable)"})
 
@@ -107,3 +115,12 @@ class HeadsConfig:
         if not isinstance(data, dict):
             raise ValueError(f"heads config {path} must hold a JSON object, got {type(data).__name__}")
         return cls.from_dict(data)
+
+
+def backbone_identity(model) -> tuple[str, str | None]:
+    """(backbone id, revision) of a loaded model: the alias and GGUF sha256 for aliases (``config.json``'s
+    ``tokenmaxx_backbone`` / ``tokenmaxx_revision``, written by ``io.backbones``), else its path/Hub id."""
+    cfg = model.config
+    ident = getattr(cfg, "tokenmaxx_backbone", None) or cfg.name_or_path
+    revision = getattr(cfg, "tokenmaxx_revision", None) or getattr(cfg, "_commit_hash", None)
+    return ident, revision

@@ -1,10 +1,11 @@
 """Draft vocabularies: project the heads' guesses onto frequent tokens + the prompt's tokens, not the whole vocabulary.
 
-A head's guess costs one [rows, H] x [H, V] product with the lm_head: for SmolLM2 (V = 49,152) that is ~10 ms per call
-on a 2-core CPU, the largest part of drafting. Restricted to the few thousand tokens the backbone actually writes in its
-self-distilled answers (``frequent_tokens``) plus the tokens of the current prompt (names, code identifiers, numbers
-that answers copy), the product is ~8x cheaper. Guesses outside that set are impossible, which costs a little
-acceptance; verification always uses the full vocabulary, so the output is the backbone's either way.
+A head's guess costs one [rows, H] x [H, V] product with the lm_head: over a vocabulary as large as SmolLM2's
+(V = 49,152) that is the largest part of drafting on a CPU. Restricted to the few thousand tokens the backbone actually
+writes in its self-distilled answers (``frequent_tokens``) plus the tokens of the current prompt (names, code
+identifiers, numbers that answers copy), the product shrinks with the vocabulary (timings: docs/benchmarks.md). Guesses
+outside that set are impossible, which costs a little acceptance; verification always uses the full vocabulary, so the
+output is the backbone's either way.
 """
 
 from __future__ import annotations

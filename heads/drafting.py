@@ -2,8 +2,9 @@
 
 A round: the drafter proposes a ``Draft`` (tree tokens, their compiled buffers, and per node who drafted it and how
 likely its path is accepted); the backbone verifies it; the drafter then observes the ``Outcome``. Head kinds build
-their own drafters (``DraftHeads.drafter``), so these plain records live beside the heads; the protocol and the lookup
-and hybrid drafters that combine them are in ``tokenmaxx.inference``.
+their own drafters (``DraftHeads.drafter``), so these plain records live beside the heads; the protocol, the lookup
+drafter and the budget drafter that sizes the heads' trees (with or without lookup branches) are in
+``tokenmaxx.inference``.
 
 Letters: N tree nodes, P prompt tokens, H hidden size, m accepted candidates.
 """
@@ -29,7 +30,7 @@ class Draft:
     buffers: TreeBuffers  # the tree compiled: mask, depths, retrieve indices
     sources: torch.Tensor  # [N] long: HEADS / LOOKUP bits of each node (the root counts as the heads')
     values: torch.Tensor  # [N] float: estimated probability that each node's path is accepted (root: 1)
-    heads_ran: bool = True  # False when a hybrid drafter let the heads sit this round out
+    heads_ran: bool = True  # False when the budget drafter let the heads sit this round out
 
     @classmethod
     def root_only(cls, root: int, device: torch.device) -> "Draft":

@@ -11,12 +11,13 @@ After ``depth`` levels the tree keeps the ``nodes - 1`` best candidates overall 
 most its parent's (log-probs are <= 0), and ties go to the shallower node, so the kept set always contains each kept
 node's parent. Growth stops early once no frontier node can still enter the kept set, or once the frontier's total
 draft probability (by the draft's own estimate, the chance that the backbone's path reaches a node the next level
-would expand) is below ``min_mass``: each level costs one module pass and one vocabulary projection (~2-4 ms for
-SmolLM2 on a 2-core CPU, a few percent of a verify forward), more than a level that is rarely reached gives back.
+would expand) is below ``min_mass``: each level costs one module pass and one vocabulary projection, more than a level
+that is rarely reached gives back (docs/benchmarks.md).
 The tree is compiled into the same buffers as static trees (``tree.compile_buffers``) and verified, accepted and
 committed by the same code.
 
-``expand_tree`` is the pure algorithm (any child-log-prob function); the MTP kind's drafter (``heads/mtp.py``) runs it.
+``expand_tree`` is the pure algorithm (any child-log-prob function); the sequential kinds' drafter
+(``sequential.SequentialDrafter``, for EAGLE-3, the default kind, and MTP) runs it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from .tree import TreeBuffers, compile_buffers
 
-MIN_MASS = 0.5  # default min_mass, chosen on inference.autotune.CALIBRATION_PROMPTS (smollm2-135m/RECIPE.md)
+MIN_MASS = 0.5  # default min_mass, chosen on inference.measure.autotune.CALIBRATION_PROMPTS (smollm2-135m/RECIPE.md)
 
 
 @dataclass(frozen=True)

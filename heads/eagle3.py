@@ -1,5 +1,5 @@
 """EAGLE-3 draft heads: sequential drafting (``sequential.py``) from a fusion of the backbone's low, middle and high
-layers, in the checkpoint layout that vLLM and SGLang serve (``eagle3_export.py`` writes and reads it).
+layers, in the checkpoint layout that vLLM and SGLang serve (``io/eagle3_export.py`` writes and reads it).
 
 One pass of the module (EAGLE-3, Li et al. 2025; the same forward as vLLM's and SGLang's ``llama_eagle3.py``):
 

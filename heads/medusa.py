@@ -75,8 +75,8 @@ class MedusaHeads(DraftHeads):
         return self.project(self.head_states(hidden), lm_head)
 
     # ---- drafting -------------------------------------------------------------------------------------------------
-    def drafter(self, model, tree=None, draft_vocab: bool = True) -> "MedusaDrafter":
-        return MedusaDrafter(self, model, self.tree_settings(self.config, tree), draft_vocab=draft_vocab)
+    def drafter(self, model, tree: Tree | None = None, draft_vocab: bool = True) -> "MedusaDrafter":
+        return MedusaDrafter(self, model, self.parsed_settings(tree, Tree), draft_vocab=draft_vocab)
 
     @classmethod
     def tree_settings(cls, config, spec=None) -> Tree:

@@ -1,9 +1,12 @@
-"""Draft heads: the common base of all head kinds (contract, save / load, backbone checks).
+"""Draft heads: the common base of all head kinds (contract, save, backbone checks).
 
 A head kind is one module that subclasses ``DraftHeads``, registers its name (``registry.register_head_kind``) and
 says what it does: its training-time outputs (``training_states`` / ``project``), which tree settings it drafts with
 (``tree_settings``) and the drafter that proposes its trees at inference (``drafter``). Nothing outside the kind's
 module asks which kind it holds.
+
+Loading saved heads (a folder or a Hub repo id) and pushing them to the Hub live in ``heads.io`` (``load_heads``,
+``push_heads``): this module is the model alone.
 """
 
 from __future__ import annotations
@@ -18,10 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .backbones import backbone_identity
-from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
-from .hub import HubUnreachableError, download_heads, push_to_hub
-from .loading import is_repo_id, load_heads, looks_like_path, missing_folder
+from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig, backbone_identity
 
 
 class BackboneMismatchError(ValueError):
@@ -73,7 +73,9 @@ def _backbone_shapes(model) -> tuple[int, int]:
 class DraftHeads(nn.Module):
     """Base of all head kinds.
 
-    The contract every kind keeps (head offset rule: head k reading position t targets the token at t+k+1):
+    The contract every kind keeps (head offset rule: head k reading position t targets the token at t+k+1; K is the
+    number of heads for Medusa and the draft depth for the sequential kinds, EAGLE-3 and MTP, whose depth d plays
+    head k = d):
 
     - ``forward(hidden [B, T, H], input_ids [B, T], *, lm_head, embed=None)`` -> logits ``[K, B, T, V]``: what the
       heads predict at every position of a sequence the backbone has read (training and evaluation);
@@ -188,9 +190,20 @@ class DraftHeads(nn.Module):
         return self.project(self.training_states(hidden, input_ids, embed), lm_head)
 
     def drafter(self, model, tree=None, draft_vocab: bool = True):
-        """A fresh drafter (``propose`` / ``observe``) for one generation on ``model``; ``tree``: a spec of this
-        kind's tree settings (None: the config's); ``draft_vocab``: guess over the heads' draft vocabulary."""
+        """A fresh drafter (``propose`` / ``observe``) for one generation on ``model``; ``tree``: this kind's tree
+        settings as ``tree_settings`` parsed them (None: the config's own); ``draft_vocab``: guess over the heads'
+        draft vocabulary."""
         raise NotImplementedError
+
+    def parsed_settings(self, settings, expected: type):
+        """``settings`` if they are parsed tree settings of this kind (an ``expected``), the config's own for None;
+        a TypeError for a spec (a spec is parsed once, by ``tree_settings``, where the generator is built)."""
+        if settings is None:
+            return self.tree_settings(self.config)
+        if not isinstance(settings, expected):
+            raise TypeError(f"{self.kind!r} heads draft with parsed {expected.__name__} settings, got "
+                            f"{settings!r}: parse a spec with tree_settings(config, spec) first")
+        return settings
 
     @classmethod
     def tree_settings(cls, config: HeadsConfig, spec=None):
@@ -208,7 +221,7 @@ class DraftHeads(nn.Module):
         and ``accuracy_note`` (a sentence before that table; may be empty)."""
         raise NotImplementedError
 
-    # ---- save / load ------------------------------------------------------------------------------------------
+    # ---- save (loading: heads.io.load_heads) --------------------------------------------------------------------
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
         """Write config.json + model.safetensors. Each file is written under a temp name then renamed."""
         out = Path(save_directory)
@@ -225,42 +238,6 @@ class DraftHeads(nn.Module):
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
-
-    def push_to_hub(self, repo_id: str, token: str | None = None, private: bool = False, revision: str | None = None,
-                    commit_message: str | None = None, **kwargs):
-        """Upload config.json, model.safetensors and a generated README.md model card in one commit.
-
-        Creates the repo (and the branch ``revision``) if needed. The token is ``token``, else HF_TOKEN or the saved
-        login; it is never printed. ``kwargs``: ``bench`` (bench JSON for the card), ``license``, ``endpoint``. See
-        ``tokenmaxx.heads.hub.push_to_hub``; returns huggingface_hub's CommitInfo.
-        """
-        return push_to_hub(self, repo_id, token=token, private=private, revision=revision,
-                           commit_message=commit_message, **kwargs)
-
-    @staticmethod
-    def from_pretrained(path_or_repo: str | os.PathLike, revision: str | None = None,
-                        dtype: torch.dtype | None = None, **hub_kwargs) -> "DraftHeads":
-        """Load heads saved by ``save_pretrained`` (a local folder, or a Hub repo id), strictly.
-
-        A spec that names no folder goes to the Hub only when it has the form "org/name"; one that can only be a path
-        (starting with ``./``, ``../``, ``/`` or ``~``, ending with ``/``, or with more than one ``/``) or has
-        another form gets a FileNotFoundError naming the folder, resolved. A Hub miss says what was tried on both
-        sides. For a Hub repo id, ``hub_kwargs`` go to ``huggingface_hub.snapshot_download`` (endpoint, cache_dir,
-        token, local_files_only). Whether the heads fit a backbone is checked when they are attached to one
-        (``check_backbone``).
-        """
-        folder = Path(path_or_repo).expanduser()
-        if folder.is_dir():
-            return load_heads(folder, dtype=dtype)
-        spec = os.fspath(path_or_repo)
-        if not isinstance(path_or_repo, str) or looks_like_path(spec) or not is_repo_id(spec):
-            raise FileNotFoundError(f"heads {spec!r}: {missing_folder(spec)}; not a Hub repo id "
-                                    "of the form 'org/name' either, so the Hub was not asked")
-        try:
-            folder = download_heads(spec, revision, **hub_kwargs)
-        except (FileNotFoundError, HubUnreachableError) as err:  # say what was tried on both sides
-            raise type(err)(f"heads {spec!r}: {missing_folder(spec)}, and on the Hub: {err}") from err
-        return load_heads(folder, dtype=dtype)
 
 
 def _umask() -> int:

@@ -112,8 +112,8 @@ class SequentialHeads(DraftHeads):
         return torch.stack(outs), kept
 
     # ---- drafting -------------------------------------------------------------------------------------------------
-    def drafter(self, model, tree=None, draft_vocab: bool = True) -> "SequentialDrafter":
-        return SequentialDrafter(self, model, self.tree_settings(self.config, tree), draft_vocab=draft_vocab)
+    def drafter(self, model, tree: DynamicTreeConfig | None = None, draft_vocab: bool = True) -> "SequentialDrafter":
+        return SequentialDrafter(self, model, self.parsed_settings(tree, DynamicTreeConfig), draft_vocab=draft_vocab)
 
     @classmethod
     def tree_settings(cls, config, spec=None) -> DynamicTreeConfig:

@@ -201,7 +201,8 @@ DEFAULT_TREE_NODES = 24
 
 
 def default_tree(num_heads: int = 4) -> Tree:
-    """The library's default sparse tree (24 nodes: verifying it costs ~1.4x one token on a 2-core CPU in bf16)."""
+    """The library's default sparse tree for Medusa heads: 24 nodes, a size whose verify costs a fraction of decoding
+    that many tokens one by one on a CPU in bf16 (docs/benchmarks.md)."""
     return sparse_tree(TYPICAL_RANK_ACCURACY[:num_heads], DEFAULT_TREE_NODES)
 
 

@@ -1,15 +1,23 @@
 """Tree-verified speculative decoding: draft -> verify -> accept -> commit -> observe, with output equal to the
-backbone's own. Start with ``SpeculativeGenerator``."""
+backbone's own. Start with ``SpeculativeGenerator``.
+
+The method (``loop``, ``drafting``, ``budget``, ``lookup``, ``decoding``, ``sampling``) measures nothing; what it
+uses of this machine's speed is handed to it as a value (``Costs``, ``ForwardContext``), made by ``measure``."""
 
 from tokenmaxx.heads.tree import Tree, TreeBuffers, chain, default_tree, parse_tree, sparse_tree
 
+from .budget import BudgetDrafter, GateConfig
+from .costs import Costs, VerifyLatency
 from .decoding import Accepted, Verified, accept_greedy, commit, verify
-from .drafting import DEFAULT_DRAFT, DRAFT_MODES, Drafter, make_drafter
+from .drafting import DEFAULT_DRAFT, DRAFT_MODES, Drafter, DraftSettings, make_drafter
+from .forward import ForwardContext
 from .generator import DEFAULT_DTYPE, EmulatedBf16Warning, GenerationOutput, GenerationStats, SpeculativeGenerator
 from .lookup import LookupConfig
+from .measure import measure_costs
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical
 
-__all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree", "Accepted", "Verified",
-           "accept_greedy", "commit", "verify", "DEFAULT_DRAFT", "DRAFT_MODES", "Drafter", "make_drafter",
-           "DEFAULT_DTYPE", "EmulatedBf16Warning", "GenerationOutput", "GenerationStats", "SpeculativeGenerator",
-           "LookupConfig", "TypicalAcceptance", "accept_sampling", "accept_typical"]
+__all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree", "BudgetDrafter", "GateConfig",
+           "Costs", "VerifyLatency", "Accepted", "Verified", "accept_greedy", "commit", "verify", "DEFAULT_DRAFT",
+           "DRAFT_MODES", "Drafter", "DraftSettings", "make_drafter", "ForwardContext", "DEFAULT_DTYPE",
+           "EmulatedBf16Warning", "GenerationOutput", "GenerationStats", "SpeculativeGenerator", "LookupConfig",
+           "measure_costs", "TypicalAcceptance", "accept_sampling", "accept_typical"]

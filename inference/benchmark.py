@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .timing import clock
+from tokenmaxx.heads.machine import clock
 
 MT_BENCH_KINDS = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -114,7 +114,7 @@ def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int]
 def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], max_new_tokens: int,
                   warmup: int = 2, progress: bool = True) -> dict[str, MethodResult]:
     """Interleaved per prompt, rotating the method order; ``baseline`` must be one of the methods. Prompts go to the
-    backbone's device before the clock starts, and the clock waits for the device (``timing.clock``)."""
+    backbone's device before the clock starts, and the clock waits for the device (``heads.machine.clock``)."""
     from tqdm.auto import tqdm
 
     if "baseline" not in methods:
@@ -202,7 +202,7 @@ def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
     on by name."""
     import transformers
 
-    from .calibration_store import cpu_isa, cpu_name, device_name
+    from tokenmaxx.heads.machine import cpu_isa, cpu_name, device_name
 
     return {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "dtype": dtype,

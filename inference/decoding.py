@@ -8,7 +8,8 @@ Terms (used throughout tokenmaxx):
 - bonus token: the backbone's own next token after the last accepted node (it comes for free from the same forward).
 - tau (accepted length): tokens produced per backbone forward = accepted candidates + 1 bonus token.
 - head offset rule: head k reading the hidden state at position t targets the token at t+k+1; with the root at
-  t+1, head k's guesses sit at tree depth k.
+  t+1, head k's guesses sit at tree depth k. The sequential kinds (EAGLE-3, the default, and MTP) follow it with
+  their draft depth d as head k = d.
 
 One round: a drafter's ``propose`` (``drafting.py``: tree tokens) -> ``verify`` (one backbone forward over the tree,
 4D mask) -> ``accept_greedy`` (longest agreeing path + bonus; ``sampling.py`` for temperature > 0) -> ``commit`` (keep
@@ -18,7 +19,7 @@ Devices: the tree tokens, the backbone's outputs and the accepted nodes live on 
 buffers are compiled on the CPU and each step takes their device copy (``TreeBuffers.to``) for what meets the
 backbone's tensors. Only small results come back to Python (``int``, ``tolist``).
 
-Letters: N tree nodes, P cached prefix length, K heads, V vocabulary, H hidden size, D tree depth.
+Letters: N tree nodes, P cached prefix length, K heads (or draft depths), V vocabulary, H hidden size, D tree depth.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 
 from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.heads.tree import TreeBuffers
+
+from .forward import ForwardContext
 
 
 @dataclass
@@ -55,22 +58,22 @@ def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtyp
 
 
 def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len: int,
-           attention: dict | None = None, feature_layers: tuple[int, ...] | None = None) -> Verified:
+           forward: ForwardContext | None = None, feature_layers: tuple[int, ...] | None = None) -> Verified:
     """ONE backbone forward over all tree nodes through the public forward (4D mask, position_ids, Cache).
 
     tokens: [N] on the backbone's device; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N``
-    after it. ``attention``: keywords for the attention function (``tokenmaxx.heads.attention.shared_kv_kwargs``).
+    after it. ``forward``: how the forward runs on this machine (``forward.ForwardContext``; None: as the model is).
     ``feature_layers``: which hidden states ``Verified.hidden`` holds (the drafter's; None: the final-normed last).
     """
     weight = model.get_output_embeddings().weight
-    out = model(
+    out = (forward or ForwardContext())(
+        model,
         input_ids=tokens[None],  # [1, N]
         attention_mask=tree_attention_bias(buffers, prefix_len, weight.dtype, weight.device),  # [1, 1, N, P+N]
         position_ids=(prefix_len + buffers.to(weight.device).depths)[None],  # [1, N]
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
-        **(attention or {}),
     )
     return Verified(logits=out.logits[0], hidden=backbone_features(out.hidden_states, feature_layers)[0])
 
@@ -80,8 +83,8 @@ def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffe
 
     tokens: [N] tree tokens; logits: [N, V] backbone logits at each node (both on one device).
     """
-    # [N]: the backbone's choice after each node (max(dim) = argmax with the same first-index ties, ~2.5x faster
-    # than argmax over bf16 rows on CPU)
+    # [N]: the backbone's choice after each node (max(dim): argmax with the same first-index ties, faster than argmax
+    # over bf16 rows on CPU)
     predicted = logits.max(dim=-1).indices
     retrieve = buffers.to(logits.device).retrieve  # [P, D+1]
     safe = retrieve.clamp(min=0)

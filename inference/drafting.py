@@ -10,11 +10,12 @@ A drafter is made fresh for each generation (it holds that generation's state) a
 
 Drafting modes (``DRAFT_MODES``, a registry of builders):
 - "heads":  the heads' own drafter; each head kind builds it (``DraftHeads.drafter``): static trees for Medusa
-  heads (``heads/medusa.py``), dynamic trees grown from the draft's log-probabilities for MTP heads (``heads/mtp.py``);
-  with a latency table, cut per round to the nodes worth their verify time, and sitting out rounds in which they
-  would not earn their proposing time (``hybrid.HybridDrafter``, lookup off).
+  heads (``heads/medusa.py``), dynamic trees grown from the draft's probabilities for the sequential kinds, EAGLE-3
+  (the shipped default) and MTP (``heads/sequential.py``); on a measured latency (``costs.Costs``), cut per round to
+  the nodes worth their verify time and sitting out rounds in which they would not earn their proposing time
+  (``budget.BudgetDrafter`` without lookup).
 - "lookup": prompt lookup alone (``lookup.LookupDrafter``): n-gram continuations from the prompt and the output.
-- "hybrid": both, sharing one node budget sized per round (``hybrid.HybridDrafter``): measured fastest, the default.
+- "hybrid": both, sharing one node budget sized per round (``budget.BudgetDrafter`` with lookup): the default.
 
 The loop never asks which drafter or head kind it holds. Records exchanged: ``tokenmaxx.heads.drafting`` (``Draft``,
 ``Prefill``, ``Outcome``).
@@ -22,12 +23,13 @@ The loop never asks which drafter or head kind it holds. Records exchanged: ``to
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from tokenmaxx.heads.drafting import Draft, Outcome, Prefill
 
-from .hybrid import HybridDrafter
-from .latency import VerifyLatency
+from .budget import BudgetDrafter, GateConfig
+from .costs import Costs
 from .lookup import LookupConfig, LookupDrafter
 
 DEFAULT_DRAFT = "hybrid"  # fastest measured on unseen prompts (docs/benchmarks.md)
@@ -51,20 +53,36 @@ class Drafter(Protocol):
         """What the backbone accepted of the last draft."""
 
 
-def _heads(model, heads, tree, lookup, draft_vocab, latency, propose_cost) -> Drafter:
-    own = heads.drafter(model, tree=tree, draft_vocab=draft_vocab)
-    # on a measured latency the tree is cut per round to the nodes that pay for their verify time (share_budget)
-    return own if latency is None else HybridDrafter(own, config=lookup, nodes=own.nodes, latency=latency,
-                                                     lookup=False, propose_cost=propose_cost)
+@dataclass(frozen=True)
+class DraftSettings:
+    """What a drafting mode is built from, besides the backbone and the heads (each builder reads what it needs)."""
+
+    tree: object = None  # the heads' tree settings, parsed by their kind (``DraftHeads.tree_settings``); None: own
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    draft_vocab: bool = True  # heads with a draft vocabulary guess over it
+    costs: Costs | None = None  # this machine's measured costs (None: whole trees)
 
 
-def _lookup(model, heads, tree, lookup, draft_vocab, latency, propose_cost) -> Drafter:
-    return LookupDrafter(lookup)
+def _heads(model, heads, settings: DraftSettings) -> Drafter:
+    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab)
+    costs = settings.costs
+    if costs is None or costs.latency is None:
+        return own
+    # on a measured latency the tree is cut per round to the nodes that pay for their verify time
+    return BudgetDrafter(own, lookup=None, gate=settings.gate, nodes=own.nodes, latency=costs.latency,
+                         propose_seconds=costs.propose_seconds)
 
 
-def _hybrid(model, heads, tree, lookup, draft_vocab, latency, propose_cost) -> Drafter:
-    own = heads.drafter(model, tree=tree, draft_vocab=draft_vocab)
-    return HybridDrafter(own, lookup, nodes=own.nodes, latency=latency, propose_cost=propose_cost)
+def _lookup(model, heads, settings: DraftSettings) -> Drafter:
+    return LookupDrafter(settings.lookup)
+
+
+def _hybrid(model, heads, settings: DraftSettings) -> Drafter:
+    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab)
+    costs = settings.costs or Costs()
+    return BudgetDrafter(own, lookup=settings.lookup, gate=settings.gate, nodes=own.nodes, latency=costs.latency,
+                         propose_seconds=costs.propose_seconds)
 
 
 DRAFT_MODES: dict[str, Callable[..., Drafter]] = {"heads": _heads, "lookup": _lookup, "hybrid": _hybrid}
@@ -79,13 +97,7 @@ def check_draft_mode(mode: str, heads) -> None:
         raise ValueError(f"draft={mode!r} needs heads; only draft='lookup' runs without them")
 
 
-def make_drafter(mode: str, model, heads=None, tree=None, lookup: LookupConfig | None = None,
-                 draft_vocab: bool = True, latency: VerifyLatency | None = None,
-                 propose_cost: float | None = None) -> Drafter:
-    """A fresh drafter of ``mode`` for one generation on ``model``. ``tree``: the heads' tree settings (a spec of
-    their kind, None: their own); ``lookup``: prompt-lookup settings; ``latency``: this machine's verify latency per
-    node count (heads and hybrid: the budget is sized per round from it; None keeps the whole budget);
-    ``propose_cost``: seconds one proposal of the heads takes here (with ``latency``: heads that do not earn it sit
-    rounds out)."""
+def make_drafter(mode: str, model, heads=None, settings: DraftSettings | None = None) -> Drafter:
+    """A fresh drafter of ``mode`` for one generation on ``model`` (``settings``: see ``DraftSettings``)."""
     check_draft_mode(mode, heads)
-    return DRAFT_MODES[mode](model, heads, tree, lookup, draft_vocab, latency, propose_cost)
+    return DRAFT_MODES[mode](model, heads, settings or DraftSettings())

@@ -1,9 +1,10 @@
 """SpeculativeGenerator: speculative generation whose output is the backbone's own.
 
-Build it from objects (``SpeculativeGenerator(model, heads, tokenizer=tok)``), through the factory that also resolves
-``tree="auto"`` (``SpeculativeGenerator.create``), or from names (``SpeculativeGenerator.from_pretrained``). Each
-``generate`` call makes a fresh drafter (``drafting.make_drafter``) and runs the loop (``loop.speculative_decode``),
-so one generator (and one backbone) may serve several threads at once.
+Build it from objects (``SpeculativeGenerator(model, heads, tokenizer=tok)``: measures nothing, changes nothing on
+``model``), through the factory that also measures this machine (``SpeculativeGenerator.create``: ``costs="auto"``
+and ``tree="auto"`` resolved, ``measure.measure_costs``), or from names (``SpeculativeGenerator.from_pretrained``).
+Each ``generate`` call makes a fresh drafter (``drafting.make_drafter``) and runs the loop
+(``loop.speculative_decode``), so one generator (and one backbone) may serve several threads at once.
 """
 
 from __future__ import annotations
@@ -16,23 +17,25 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, cpu_has_native_bf16, default_heads_path, load_backbone
+from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone, load_heads
 from tokenmaxx.heads.attention import shared_kv_kwargs
+from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_isa, cpu_name
 
-from .autotune import Calibration, is_auto, resolve_auto
-from .calibration_store import cpu_isa, cpu_name
+from .budget import GateConfig
+from .costs import Costs
 from .decoding import accept_greedy
-from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, check_draft_mode, make_drafter
-from .latency import cached_latency, cached_propose_cost
+from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mode, make_drafter
+from .forward import ForwardContext
 from .lookup import LookupConfig
 from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
-from .small_rows import cached_small_rows
+from .measure import Calibration, cached_small_rows, measure_costs, resolve_auto
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 
 # "auto": bfloat16 where it is native (a GPU, a CPU with AVX-512 BF16 or AMX), the fastest measured there; float32 on a
 # CPU without, where emulated bf16 was slower (docs/benchmarks.md). float32 where token identity must be exact.
 DEFAULT_DTYPE = "auto"
+AUTO = "auto"  # costs="auto": measure this machine (create / from_pretrained)
 
 __all__ = ["DEFAULT_DTYPE", "GenerationOutput", "GenerationStats", "SpeculativeGenerator"]
 
@@ -45,83 +48,95 @@ class GenerationOutput:
     text: str | None = None  # decoded new tokens, when a tokenizer is known
 
 
-
 class EmulatedBf16Warning(UserWarning):
     """The backbone runs in bfloat16 on a CPU that has no native bf16 (see ``warn_if_bf16_is_emulated``)."""
 
 
 def warn_if_bf16_is_emulated(model) -> None:
-    """Warn when ``model`` runs in bf16 on a CPU without native bf16 (AVX2 only): there verifying a tree costs nearly a
-    decode step per token, so drafting barely pays, and float32 is faster (the demo prompt on a 2-core AVX2 EPYC: hybrid
-    1.41x over plain generate in fp32, 0.87x in bf16; docs/benchmarks.md)."""
+    """Warn when ``model`` runs in bf16 on a CPU without native bf16 (AVX2 only): there PyTorch converts every bf16
+    product through fp32, verifying a tree costs nearly a decode step per token, and float32 is faster
+    (docs/benchmarks.md)."""
     weight = model.get_output_embeddings().weight
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         warnings.warn(EmulatedBf16Warning(
             f"bfloat16 on this CPU ({cpu_name()}, {cpu_isa()}) has no native bf16 support, so speculative decoding "
-            "barely pays in it; dtype='float32' is faster here (on an AVX2-only CPU the hybrid gave 1.41x in float32 "
-            "and 0.87x in bfloat16)"), stacklevel=3)
+            "barely pays in it; dtype='float32' is faster here"), stacklevel=3)
+
 
 class SpeculativeGenerator:
     """Speculative generation with draft heads on a frozen backbone; output equals the backbone's own.
 
     ``draft``: "hybrid" (heads + prompt lookup, the default), "heads" or "lookup" (no heads needed). ``tree``: the
-    heads' tree settings as their kind reads them (Medusa: a Tree, a list of paths, "default", "chain:K"; MTP:
-    "dynamic", "dynamic:N", "dynamic:nodes=N,topk=K,...") or None for the heads' own; "auto" or
-    "auto:prompts=N,tokens=T" (chosen for this machine) goes through ``SpeculativeGenerator.create``. ``lookup``:
-    prompt-lookup settings. ``draft_vocab``: heads with a draft vocabulary guess over it. ``adaptive_budget``: the
-    heads' and hybrid trees are sized per round from this machine's verify latency and the heads' proposing time (both
-    measured once, cached): nodes that would not pay for their verify time are cut, and heads that would not pay for
-    their proposing time sit rounds out.
-    ``small_row_linears``: on a CPU whose BLAS multiplies a few rows faster as ``(W @ x^T)^T`` (timed once per
-    backbone, machine and tree size, cached: ``small_rows.cached_small_rows``), verifies of the sizes that gained
-    compute the backbone's linear layers that way; False: always as the model does.
+    heads' tree settings as their kind reads them (EAGLE-3 and MTP heads: "dynamic", "dynamic:N",
+    "dynamic:nodes=N,topk=K,..."; Medusa: a Tree, a list of paths, "default", "chain:K") or None for the heads' own;
+    "auto" or "auto:prompts=N,tokens=T" (chosen for this machine) goes through ``SpeculativeGenerator.create``.
+    ``lookup``: prompt-lookup settings; ``gate``: when heads that do not pay sit rounds out. ``draft_vocab``: heads
+    with a draft vocabulary guess over it. ``costs``: what was measured about this machine (``costs.Costs``: verify
+    latency, the heads' proposing time, the verifies' small-row plan), as ``create`` measures it with
+    ``costs="auto"``; None: whole trees every round, every forward as the model computes it. The attention of the tree
+    verifies follows the backbone's implementation (``heads.attention.shared_kv_kwargs``; ``load_backbone`` puts a
+    CPU backbone on the one that shares key/value heads).
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree=None, strict_identity: bool = True,
-                 draft: str = DEFAULT_DRAFT, lookup: LookupConfig | None = None, draft_vocab: bool = True,
-                 adaptive_budget: bool = True, small_row_linears: bool = True):
+                 draft: str = DEFAULT_DRAFT, lookup: LookupConfig | None = None, gate: GateConfig | None = None,
+                 draft_vocab: bool = True, costs: Costs | None = None):
         check_draft_mode(draft, heads)
-        if is_auto(tree):
+        if Calibration.parse(tree) is not None:
             raise ValueError(f"tree={tree!r} calibrates the tree on this machine: build the generator with "
                              "SpeculativeGenerator.create(model, heads, tokenizer=..., tree='auto') or from_pretrained")
+        if isinstance(costs, str):
+            raise ValueError(f"costs={costs!r}: measuring this machine is done by SpeculativeGenerator.create or "
+                             "from_pretrained (costs='auto'); the constructor takes a Costs or None")
+        if costs is not None and not isinstance(costs, Costs):
+            raise TypeError(f"costs must be a tokenmaxx.inference.Costs or None, got {type(costs).__name__}")
         if heads is not None:
             heads.check_backbone(model, strict_identity=strict_identity)
             heads = _on_backbone(heads, model)
         self.model, self.heads, self.tokenizer, self.draft = model, heads, tokenizer, draft
         self.lookup = lookup or LookupConfig()
+        self.gate = gate or GateConfig()
         self.draft_vocab = draft_vocab
-        # the heads' tree settings as their kind parses them (validated here, once); None when only lookup drafts
+        # the heads' tree settings as their kind parses them (here, once); None when only lookup drafts
         self.tree_settings = heads.tree_settings(heads.config, tree) if draft != "lookup" else None
-        self.attention = shared_kv_kwargs(model)  # tree verifies let SDPA share the KV heads where that applies
-        # the tree sizes whose verifies compute (some) linear layers as (W @ x^T)^T, and which; measured before the
-        # latency table, which is then measured the same way
-        self.small_rows = cached_small_rows(model) if small_row_linears else {}
-        self.latency = cached_latency(model, small_rows=self.small_rows) \
-            if draft in NEEDS_HEADS and adaptive_budget else None
-        self.propose_cost = cached_propose_cost(model, heads, self.tree_settings, draft_vocab) \
-            if self.latency is not None else None
+        self._use_costs(costs)
+
+    def _use_costs(self, costs: Costs | None) -> None:
+        self.costs = costs
+        # how the tree verifies run here: the backbone's attention keywords and the measured small-row plan
+        self.forward = ForwardContext(attention=shared_kv_kwargs(self.model),
+                                      small_rows=costs.small_rows if costs is not None else {})
 
     @classmethod
-    def create(cls, model, heads: DraftHeads | None, tokenizer=None, tree=None, **kwargs) -> "SpeculativeGenerator":
-        """Like the constructor, and ``tree="auto"`` is resolved first: the heads' tree settings with the best
-        expected tokens/s on this machine (``autotune.resolve_auto``: calibrated once, then cached).
-        ``tree="auto:prompts=N,tokens=T"`` (or an ``autotune.Calibration``) calibrates on the first N of its 8 prompts,
-        T tokens each (default 8 and 128): quicker, noisier."""
+    def create(cls, model, heads: DraftHeads | None, tokenizer=None, tree=None, costs: Costs | str | None = AUTO,
+               **kwargs) -> "SpeculativeGenerator":
+        """Like the constructor, with this machine measured: ``costs="auto"`` (the default) measures the costs the
+        method is handed (``measure.measure_costs``: once per backbone, heads and machine, then cached), and
+        ``tree="auto"`` chooses the heads' tree settings with the best expected tokens/s here (``measure.autotune``).
+        ``tree="auto:prompts=N,tokens=T"`` (or a ``Calibration``) calibrates on the first N of its 8 prompts, T tokens
+        each (default 8 and 128): quicker, noisier. A ``Costs`` or None is used as given."""
+        if costs is not None and costs != AUTO and not isinstance(costs, Costs):
+            raise ValueError(f"costs must be 'auto', a tokenmaxx.inference.Costs or None, got {costs!r}")
         calibration = Calibration.parse(tree)
-        if calibration is not None:
-            if heads is None:
-                raise ValueError("tree='auto' tunes the heads' trees: pass heads (or draft='lookup' without a tree)")
-            heads.check_backbone(model, strict_identity=kwargs.get("strict_identity", True))
-            heads = _on_backbone(heads, model)
-            small_rows = cached_small_rows(model) if kwargs.get("small_row_linears", True) else {}
-            tree = resolve_auto(model, heads, tokenizer, small_rows, calibration)
-        return cls(model, heads, tokenizer=tokenizer, tree=tree, **kwargs)
+        if calibration is not None and heads is None:
+            raise ValueError("tree='auto' tunes the heads' trees: pass heads (or draft='lookup' without a tree)")
+        gen = cls(model, heads, tokenizer=tokenizer, tree=None if calibration is not None else tree,
+                  costs=None if costs == AUTO else costs, **kwargs)
+        # the small-row plan first: the latency of tree='auto' and of the costs is measured as the verifies will run
+        plan = (cached_small_rows(model) if costs == AUTO else dict(costs.small_rows) if costs is not None else {})
+        if calibration is not None and gen.tree_settings is not None:
+            gen.tree_settings = resolve_auto(model, gen.heads, tokenizer, plan, calibration, gen.tree_settings)
+        if costs == AUTO:
+            gen._use_costs(measure_costs(model, gen.heads if gen.draft in NEEDS_HEADS else None, gen.tree_settings,
+                                         gen.draft_vocab, small_rows=plan))
+        return gen
 
     @classmethod
     def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
                         dtype: torch.dtype | str = DEFAULT_DTYPE, tree=None, revision: str | None = None,
                         device: str | torch.device | None = "auto", **kwargs) -> "SpeculativeGenerator":
-        """Load backbone (alias / folder / Hub id) and heads (folder / Hub id; default: the shipped ones).
+        """Load backbone (alias / folder / Hub id) and heads (folder / Hub id; default: the shipped ones), then
+        ``create`` (``costs="auto"`` unless given).
 
         device: where the backbone runs (``load_backbone``: "auto" takes the first CUDA GPU when there is one)."""
         if heads is None:
@@ -130,13 +145,13 @@ class SpeculativeGenerator:
                 raise FileNotFoundError(f"no heads are shipped for backbone {backbone!r}; pass heads=PATH_OR_REPO")
         model, tokenizer = load_backbone(backbone, dtype=dtype, device=device)
         warn_if_bf16_is_emulated(model)
-        return cls.create(model, DraftHeads.from_pretrained(heads, revision=revision), tokenizer=tokenizer,
-                          tree=tree, **kwargs)
+        return cls.create(model, load_heads(heads, revision=revision), tokenizer=tokenizer, tree=tree, **kwargs)
 
     def make_drafter(self):
         """A fresh drafter for one generation."""
-        return make_drafter(self.draft, self.model, self.heads, tree=self.tree_settings, lookup=self.lookup,
-                            draft_vocab=self.draft_vocab, latency=self.latency, propose_cost=self.propose_cost)
+        return make_drafter(self.draft, self.model, self.heads, DraftSettings(
+            tree=self.tree_settings, lookup=self.lookup, gate=self.gate, draft_vocab=self.draft_vocab,
+            costs=self.costs))
 
     def describe(self) -> str:
         """What drafts, e.g. "hybrid drafting: dynamic tree, 8 nodes + prompt lookup"."""
@@ -238,8 +253,7 @@ class SpeculativeGenerator:
                              f"{prompt_len + max_new_tokens} exceeds the backbone's context of {context} tokens")
         choose_root = (lambda logits: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
         new_tokens, stats = speculative_decode(self.model, self.make_drafter(), input_ids, max_new_tokens, accept,
-                                               choose_root, eos_ids(config), streamer=streamer,
-                                               attention=self.attention, small_rows=self.small_rows)
+                                               choose_root, eos_ids(config), streamer=streamer, forward=self.forward)
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)

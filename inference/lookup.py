@@ -29,21 +29,12 @@ class LookupConfig:
     max_len: int = field(default=16, metadata={"help": "longest branch"})
     branches: int = field(default=3, metadata={
         "help": "hybrid: distinct continuations offered as branches (earlier occurrences of the matched n-gram)"})
-    heads_min_yield: float = field(default=0.05, metadata={
-        "help": "hybrid and sized heads-only drafting: heads whose proposals lately add fewer accepted tokens per "
-                "round than this, or than their proposing time and their nodes' verify time are worth, sit out rounds "
-                "(see HeadsGate)"})
-    heads_explore_every: int = field(default=8, metadata={
-        "help": "heads that sit out still propose every this many rounds, to notice when they pay again"})
 
     def __post_init__(self):
         if self.min_ngram is not None and not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         if self.branches < 1:
             raise ValueError(f"need branches >= 1, got {self.branches}")
-        if self.heads_min_yield < 0 or self.heads_explore_every < 1:
-            raise ValueError(f"need heads_min_yield >= 0 and heads_explore_every >= 1, got {self.heads_min_yield}, "
-                             f"{self.heads_explore_every}")
         if not 1 <= self.min_len <= self.start_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= start_len <= max_len, got {self.min_len}, {self.start_len}, "
                              f"{self.max_len}")

@@ -21,8 +21,8 @@ from tokenmaxx.heads.drafting import SOURCE_NAMES, Outcome, Prefill
 from tokenmaxx.heads.modeling import backbone_features
 
 from .decoding import Accepted, commit, verify
-from .small_rows import Plan, transposed_linears
-from .timing import clock
+from .forward import ForwardContext
+from tokenmaxx.heads.machine import clock
 
 PHASES = ("propose", "verify", "accept", "commit")
 
@@ -38,7 +38,8 @@ class GenerationStats:
         default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     accepted_by_source: dict[str, int] = field(  # accepted candidates by who drafted them (bonus tokens excluded)
         default_factory=lambda: dict.fromkeys(("heads", "lookup", "both"), 0))
-    heads_skipped: int = 0  # hybrid: rounds drafted by lookup alone because the heads were not paying (HeadsGate)
+    heads_skipped: int = 0  # rounds the heads sat out because they were not paying (budget.HeadsGate): lookup alone
+    # drafted them (hybrid), or the root alone was verified (heads on measured costs)
 
     @property
     def mean_tau(self) -> float:
@@ -89,13 +90,12 @@ def eos_ids(generation_config) -> set[int]:
 
 def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: int, accept: Accept,
                        choose_root: Callable[[torch.Tensor], int], eos: set[int], streamer=None,
-                       attention: dict | None = None, small_rows: Plan = 0) -> tuple[list[int], GenerationStats]:
+                       forward: ForwardContext | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to ``max_new_tokens`` after ``input_ids`` [1, P] (stopping after an EOS id); returns the new
     tokens and the statistics. ``choose_root`` picks the first token from the prefill's last logits [V];
-    ``attention``: forward keywords for the tree verify (``heads.attention.shared_kv_kwargs``); ``small_rows``: the
-    tree sizes whose verifies compute (some) linear layers as ``(W @ x^T)^T`` (``small_rows.cached_small_rows``). Runs
+    ``forward``: how the tree verifies run on this machine (``forward.ForwardContext``; None: as the model is). Runs
     on the backbone's device (``input_ids`` is moved there); every time in the statistics waits for it first
-    (``timing.clock``)."""
+    (``heads.machine.clock``)."""
     device = model.get_output_embeddings().weight.device
     stats = GenerationStats()
     if streamer is not None:  # a streamer gets CPU tensors, as from model.generate
@@ -115,8 +115,7 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
         room = max_new_tokens - len(new_tokens) - 1  # a round emits at most depth + 1 tokens: no overshooting nodes
         draft = drafter.propose(root, room)
         t1 = clock(device)
-        with transposed_linears(model, small_rows, rows=draft.num_nodes):
-            verified = verify(model, cache, draft.tokens, draft.buffers, prefix_len, attention, drafter.feature_layers)
+        verified = verify(model, cache, draft.tokens, draft.buffers, prefix_len, forward, drafter.feature_layers)
         t2 = clock(device)
         accepted = accept(draft.tokens, verified.logits, draft.buffers)
         t3 = clock(device)
@@ -159,11 +158,11 @@ def _emitted(tokens: list[int], room: int, eos: set[int]) -> list[int]:
 def _last_logits_only(model, prompt_len: int) -> dict:
     """Prefill keyword that has the backbone project only the last prompt position onto the vocabulary.
 
-    The prefill needs the logits of the last position alone; all of them are [P, V] (SmolLM2: 40 ms and 39 MB at 400
-    tokens, 0.8 GB in fp32 at 4,096). An index tensor rather than the int ``logits_to_keep=1``: the int slices a
-    [1, 1, H] view with the prompt's batch stride, which torch 2.13 on CPU projects through a slow path with frozen
-    weights (100 ms instead of 3 ms for SmolLM2's lm_head in bf16); indexing makes a fresh tensor. Models whose
-    forward has no ``logits_to_keep`` get every position as before.
+    The prefill needs the logits of the last position alone; all of them are [P, V], a large tensor for a long prompt.
+    An index tensor rather than the int ``logits_to_keep=1``: the int slices a [1, 1, H] view with the prompt's batch
+    stride, which torch on CPU projects through a slow path with frozen weights; indexing makes a fresh tensor
+    (docs/benchmarks.md, "Why the defaults are what they are"). Models whose forward has no ``logits_to_keep`` get
+    every position.
     """
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return {}

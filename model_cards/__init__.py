@@ -1,1 +1,1 @@
-"""Jinja templates of the Hub model cards (data files; rendered by ``tokenmaxx.heads.hub``)."""
+"""Jinja templates of the Hub model cards (data files; rendered by ``tokenmaxx.heads.io.hub``)."""

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
-from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
-from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator
+from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
+from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
 from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
                                            run_benchmark, summarize, tokenmaxx_method)
-from tokenmaxx.inference.small_rows import plan_record
+from tokenmaxx.inference.drafting import NEEDS_HEADS
+from tokenmaxx.inference.forward import plan_record
 from tokenmaxx.scripts.errors import parse_flags, run_script
 
 TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
@@ -104,8 +105,9 @@ METHOD_FLAGS = ("@fixed", "@usual")
 def tokenmaxx_method_spec(name: str, default_draft: str) -> tuple[str, str | None, str | None, bool, bool] | None:
     """A tokenmaxx method name -> (draft mode, head kind or None for --heads, tree spec or None, fixed, usual); None
     for a name that is not one. ``NAME[:TREE][@fixed][@usual]``: @fixed verifies whole trees every round (no per-round
-    sizing); @usual verifies with the backbone's linear layers as the model computes them (``small_row_linears=False``,
-    to measure what the transposed small-row products are worth)."""
+    sizing: the measured costs without the latency); @usual verifies with the backbone's linear layers as the model
+    computes them (the costs measured with an empty small-row plan, to measure what the transposed products are
+    worth)."""
     base, flags = name, set()
     while base.endswith(METHOD_FLAGS):
         flag = next(f for f in METHOD_FLAGS if base.endswith(f))
@@ -150,11 +152,16 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
             if (kind, spec) not in heads and draft != "lookup":
                 heads[kind, spec] = resolve_heads(spec, model, args.backbone, kind=kind)
             gen = SpeculativeGenerator.create(model, heads[kind, spec] if draft != "lookup" else None,
-                                              tokenizer=tokenizer, tree=tree, draft=draft, adaptive_budget=not fixed,
-                                              small_row_linears=not usual)
+                                              tokenizer=tokenizer, tree=tree, draft=draft)
+            if fixed or usual:
+                costs = measure_costs(model, gen.heads if draft in NEEDS_HEADS else None, gen.tree_settings,
+                                      small_rows={}) if usual else gen.costs
+                costs = Costs(small_rows=costs.small_rows) if fixed else costs
+                gen = SpeculativeGenerator(model, gen.heads, tokenizer=tokenizer, tree=gen.tree_settings, draft=draft,
+                                           costs=costs)
             notes[f"{name} tree"] = tree_note(gen.tree_settings)
-            if gen.small_rows:
-                notes[f"{name} small rows"] = plan_record(gen.small_rows)
+            if gen.costs is not None and gen.costs.small_rows:
+                notes[f"{name} small rows"] = plan_record(gen.costs.small_rows)
             methods[name] = tokenmaxx_method(gen)
         else:
             raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, or one of "

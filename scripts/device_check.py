@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone
+from tokenmaxx.heads.machine import device_name
 from tokenmaxx.inference.benchmark import markdown_table
-from tokenmaxx.inference.calibration_store import device_name
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 BF16_NOTE = ("bf16: a tree forward of N tokens and a one-token forward round differently, so near-tied logits can "
@@ -30,7 +30,7 @@ BF16_NOTE = ("bf16: a tree forward of N tokens and a one-token forward round dif
 
 
 def latency_main(args: argparse.Namespace) -> int:
-    from tokenmaxx.inference.latency import measure_latency
+    from tokenmaxx.inference.measure.latency import measure_latency
 
     torch.set_num_threads(args.threads)
     model, _ = load_backbone(args.backbone, dtype=args.dtype, device=args.device)

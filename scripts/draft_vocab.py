@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from tokenmaxx.heads import DraftHeads
+from tokenmaxx.heads import load_heads
 from tokenmaxx.scripts.errors import run_script
 
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("--eval_max_examples", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    heads = DraftHeads.from_pretrained(args.heads)
+    heads = load_heads(args.heads)
     if args.remove:
         heads.set_draft_vocab(None)
         heads.config.extra.pop("draft_vocab", None)

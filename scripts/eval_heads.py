@@ -21,8 +21,8 @@ import torch
 from transformers import HfArgumentParser
 
 from tokenmaxx.heads import load_backbone
-from tokenmaxx.heads.backbones import DEVICE_HELP
-from tokenmaxx.heads.pretrained import resolve_heads
+from tokenmaxx.heads.io.backbones import DEVICE_HELP
+from tokenmaxx.heads.io.pretrained import resolve_heads
 from tokenmaxx.scripts.errors import run_script
 from tokenmaxx.training.batches import trained_parts
 from tokenmaxx.training.checkpoints import atomic_write_text
@@ -85,10 +85,10 @@ def main(argv=None) -> int:
     (args,) = HfArgumentParser(EvalArgs).parse_args_into_dataclasses(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tokenmaxx.heads import DraftHeads
+    from tokenmaxx.heads import load_heads
 
-    heads = DraftHeads.from_pretrained(args.heads) if args.heads and args.heads != "untrained" else None
-    seen = trained_parts(DraftHeads.from_pretrained(args.unseen_by).config) if args.unseen_by else None
+    heads = load_heads(args.heads) if args.heads and args.heads != "untrained" else None
+    seen = trained_parts(load_heads(args.unseen_by).config) if args.unseen_by else None
     if args.unseen_by and not seen:
         raise ValueError(f"--unseen_by {args.unseen_by}: those heads record no training data, so no row can be "
                          "known to be new to them")

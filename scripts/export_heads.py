@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from tokenmaxx.heads import DraftHeads, load_backbone
-from tokenmaxx.heads.eagle3_export import export_eagle3
+from tokenmaxx.heads import load_backbone, load_heads
+from tokenmaxx.heads.io.eagle3_export import export_eagle3
 from tokenmaxx.scripts.errors import run_script
 
 FORMATS = {"eagle3": export_eagle3}
@@ -41,7 +41,7 @@ class ExportArgs:
 
 def main(argv=None) -> int:
     (args,) = HfArgumentParser(ExportArgs).parse_args_into_dataclasses(argv)
-    heads = DraftHeads.from_pretrained(args.heads)
+    heads = load_heads(args.heads)
     backbone = args.backbone or heads.config.backbone
     if not backbone:
         raise ValueError(f"the heads in {args.heads} name no backbone: pass --backbone")

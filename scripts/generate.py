@@ -19,9 +19,9 @@ import torch
 from transformers import TextStreamer
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, head_kind, load_backbone, resolve_heads
-from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
+from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator, TypicalAcceptance
-from tokenmaxx.inference.timing import clock
+from tokenmaxx.heads.machine import clock
 from tokenmaxx.scripts.errors import parse_flags, run_script
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint. Use simple words."
@@ -54,7 +54,7 @@ class GenerateArgs:
         "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree)"})
     adaptive_budget: bool = field(default=True, metadata={
         "help": "cut each round's tree (heads and hybrid) to the nodes worth their verify time on this machine's "
-                "measured latency; false verifies the whole tree every round"})
+                "measured costs; false verifies the whole tree every round and measures nothing"})
     do_sample: bool | None = field(default=None, metadata={
         "nargs": "?", "const": True,  # a bare --do_sample means true, as for the other bool flags
         "help": "sample (lossless speculative sampling: the backbone's own distribution) instead of greedy; default: "
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     heads = None if args.draft == "lookup" else \
         resolve_heads(args.heads, model, args.backbone, fallback_untrained=True, kind=args.kind)
     gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft,
-                                      adaptive_budget=args.adaptive_budget)
+                                      costs="auto" if args.adaptive_budget else None)
     tree_desc = gen.describe()
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)

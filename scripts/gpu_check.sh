@@ -58,7 +58,7 @@ ENV
     source "$STAGE/env.sh"
     local parts=("$STAGE"/in/part-*)  # in order; the import checks the joined sha256 (a missing piece fails there)
     if [ -f "${parts[0]}" ] && [ "${GPU_CHECK_IMPORT:-1}" = 1 ]; then  # 0: wheels alone (gpu_train.sh --smoke)
-        python3 -m tokenmaxx.heads.backbones --import smollm2-135m "${parts[@]}" || die "importing the GGUF failed"
+        python3 -m tokenmaxx.heads.io.backbones --import smollm2-135m "${parts[@]}" || die "importing the GGUF failed"
     fi
 }
 

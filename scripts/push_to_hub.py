@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from tokenmaxx.heads.card import save_model_card
-from tokenmaxx.heads.hub import push_to_hub
+from tokenmaxx.heads import push_heads
+from tokenmaxx.heads.io.card import save_model_card
 from tokenmaxx.scripts.errors import run_script
 
 
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
     if args.card_only:
         print(f"wrote {save_model_card(args.heads, args.repo_id, args.bench, args.license, methods, args.overwrite)}")
         return 0
-    info = push_to_hub(args.heads, args.repo_id, private=args.private, revision=args.revision,
-                       commit_message=args.commit_message, bench=args.bench, license=args.license,
-                       endpoint=args.endpoint, bench_methods=methods)
+    info = push_heads(args.heads, args.repo_id, private=args.private, revision=args.revision,
+                      commit_message=args.commit_message, bench=args.bench, license=args.license,
+                      endpoint=args.endpoint, bench_methods=methods)
     print(f"pushed {args.heads} to {args.repo_id} (revision {args.revision or 'main'}): {info.commit_url}")
     return 0
 

@@ -154,7 +154,7 @@ for p in $(seq -f "%03g" 0 $((PARTS - 1))); do DONE+=("$KEPT/part-$p"); done
 # 4. train and export (--resume continues bit-identically from the newest checkpoint). 32 sequences a step in all:
 #    8 per micro-batch, 4 micro-batches spread over the NPROC processes.
 if [ -z "${TRAIN_DTYPE:-}" ]; then
-  TRAIN_DTYPE=$("$PY" -c "from tokenmaxx.heads.backbones import resolve_device, resolve_dtype
+  TRAIN_DTYPE=$("$PY" -c "from tokenmaxx.heads.io.backbones import resolve_device, resolve_dtype
 print(str(resolve_dtype('auto', resolve_device('$DEVICE'))).removeprefix('torch.'))")
 fi
 RESUME=()

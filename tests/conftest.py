@@ -25,7 +25,7 @@ def cache_in_tmp(tmp_path_factory):
     """The tests' tokenmaxx cache (``$TOKENMAXX_CACHE``) is a temp folder whose backbones/ is the user's: converted
     real backbones are reused, while calibration records (latency, proposing cost, small rows, trees) of the tests'
     tiny and real models are neither read stale from nor left behind in the user's cache."""
-    from tokenmaxx.heads.backbones import CACHE_ENV, cache_dir
+    from tokenmaxx.heads.io.backbones import CACHE_ENV, cache_dir
 
     backbones = cache_dir() / "backbones"
     backbones.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tokenmaxx.heads import DraftHeads, Eagle3Heads, HeadsConfig, MedusaHeads, MTPHeads
+from tokenmaxx.heads import Eagle3Heads, HeadsConfig, MedusaHeads, MTPHeads, load_heads
 from tokenmaxx.inference.decoding import Accepted
 from tokenmaxx.inference.sampling import target_probs
 from tokenmaxx.training.train_config import TrainConfig
@@ -236,4 +236,50 @@ def make_cfg(data_dir: Path, out: Path, **overrides) -> TrainConfig:
 
 
 def head_state(export_dir: Path) -> dict[str, torch.Tensor]:
-    return DraftHeads.from_pretrained(export_dir).state_dict()
+    return load_heads(export_dir).state_dict()
+
+
+def repeating_prompts(vocab, seed, n=5):
+    """n prompts [1, T] that repeat a random motif (prompt lookup finds continuations in them), each with a
+    max_new_tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        motif = torch.randint(3, vocab, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen)
+        reps = int(torch.randint(2, 5, (1,), generator=gen))
+        yield torch.cat([motif] * reps)[None], int(torch.randint(8, 40, (1,), generator=gen))
+
+
+class OracleMTP(MTPHeads):
+    """Real MTP module (cache, masks, positions all exercised) whose logits are rigged from a reference continuation.
+
+    A query at position q conditioned on token x predicts the token at q+2. If x is the reference token at q+1 (the
+    path so far is right), the true token is put at rank 0 (prob p_top) or rank 1 behind a decoy; otherwise noise.
+    """
+
+    def __init__(self, model, reference: torch.Tensor, p_top: float = 0.7, seed: int = 0):
+        base = MTPHeads.for_backbone(model, num_heads=3)
+        super().__init__(base.config)
+        self.reference = reference[0].tolist()
+        self.seed = seed
+        self.p_top = p_top
+        self._rows = []
+
+    def step(self, prev, tokens, embed, position_ids, attention_mask, cache=None, **attention):
+        self._rows = list(zip(position_ids[0].tolist(), tokens[0].tolist()))
+        return super().step(prev, tokens, embed, position_ids, attention_mask, cache, **attention)
+
+    def logits(self, states, lm_head):
+        vocab = lm_head.weight.shape[0]
+        rows = self._rows[-1:] if states.dim() == 1 else self._rows
+        out = torch.empty(len(rows), vocab)
+        for i, (q, tok) in enumerate(rows):
+            gen = torch.Generator().manual_seed(self.seed * 100003 + q * 1009 + tok)  # same query, same guesses
+            out[i] = torch.randn(vocab, generator=gen)
+            if q + 2 < len(self.reference) and self.reference[q + 1] == tok:
+                target = self.reference[q + 2]
+                if float(torch.rand((), generator=gen)) < self.p_top:
+                    out[i, target] = 12.0
+                else:
+                    out[i, int(torch.randint(vocab, (), generator=gen))] = 12.0
+                    out[i, target] = 11.0
+        return out[0] if states.dim() == 1 else out

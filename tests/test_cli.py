@@ -156,6 +156,7 @@ def test_adaptive_budget_flag_chooses_sized_or_whole_trees(tiny_folders, capsys)
     assert "sized per round" in sized_log and "sized per round" not in whole_log and "dynamic tree" in whole_log
 
 
+@pytest.mark.slow
 def test_bad_values_end_in_one_error_line_and_status_2(tiny_folders, monkeypatch, capsys):
     """A bad value found after parsing (a mistyped --heads, an unknown backbone alias, a bad --tree) ends in one
     ``error:`` line on stderr and status 2, from the script and from the console command; --debug or TOKENMAXX_DEBUG=1
@@ -246,6 +247,7 @@ def test_console_unknown_or_missing_command(argv):
     assert "known commands: generate, bench, train, make-data, push" in out.stderr
 
 
+@pytest.mark.slow
 def test_console_generate_help_and_script_help_agree():
     console = run(CONSOLE, "generate", "--help")
     script = run(sys.executable, REPO / "scripts" / "generate.py", "--help")

@@ -254,6 +254,7 @@ def test_a_run_killed_while_assembling_is_completed_without_generating(tmp_path,
     assert not list((tmp_path / "out").glob(".tmp-*")) and not (tmp_path / "out" / "shards").exists()
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, backbone):
     model, tokenizer = backbone
     folder = tmp_path / "tiny-backbone"
@@ -395,6 +396,7 @@ def test_script_excludes_only_the_named_benchmark(tmp_path, backbone, capsys):
     assert "nothing to --exclude" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_script_bad_input_is_one_error_line(tmp_path):
     command = [sys.executable, str(REPO / "scripts" / "make_data.py"), "--output_dir", str(tmp_path / "out"),
                "--min_prompt_tokens", "600"]

@@ -3,7 +3,7 @@
 - Everything the decode loop and the drafters create follows the backbone's device: a generation run under
   ``torch.device("meta")`` as the default device (any tensor made without naming its device lands on meta and fails)
   gives exactly what it gives without it; the steps that only shape tensors run on a backbone moved to "meta".
-- Every clock read that times device work waits for the device first (``timing.clock``), counted per round.
+- Every clock read that times device work waits for the device first (``machine.clock``), counted per round.
 - Calibration caches are keyed by the device's name; key/value-head sharing stays off off the CPU.
 - fp16 and bf16 backbones generate (greedy identity is only exact in fp32, so only the length is checked).
 """
@@ -17,12 +17,16 @@ from helpers import greedy_reference, random_heads, random_mtp, tiny_model
 from transformers import DynamicCache
 
 from tokenmaxx.heads import Prefill, Tree
-from tokenmaxx.heads.attention import shared_kv_kwargs, shares_kv_heads
-from tokenmaxx.inference import EmulatedBf16Warning, SpeculativeGenerator, calibration_store, generator, timing, verify
+from tokenmaxx.heads.attention import shared_kv_kwargs, shares_kv_heads, use_shared_kv_attention
+from tokenmaxx.heads.machine import cpu_isa, device_name
+from tokenmaxx.heads import machine
+from tokenmaxx.inference import EmulatedBf16Warning, SpeculativeGenerator, generator, verify
+from tokenmaxx.inference.measure import store
 from tokenmaxx.inference.benchmark import Prompt, hf_method, run_benchmark
-from tokenmaxx.inference.calibration_store import calibration_key, device_name, machine_fingerprint
+from tokenmaxx.inference.measure.store import calibration_key, machine_fingerprint
 from tokenmaxx.inference.decoding import tree_attention_bias
-from tokenmaxx.inference.latency import measure_latency
+from tokenmaxx.inference.forward import ForwardContext
+from tokenmaxx.inference.measure.latency import measure_latency
 from tokenmaxx.inference.sampling import make_generator
 from tokenmaxx.scripts.generate import plain_generate
 
@@ -42,9 +46,9 @@ def _devices(*args, **kwargs) -> set:
 
 
 def _count_synchronize(monkeypatch) -> list:
-    """Replace ``timing.synchronize`` by a recorder; returns the devices it was called with."""
+    """Replace ``machine.synchronize`` by a recorder; returns the devices it was called with."""
     calls = []
-    monkeypatch.setattr(timing, "synchronize", calls.append)
+    monkeypatch.setattr(machine, "synchronize", calls.append)
     return calls
 
 
@@ -54,7 +58,7 @@ def _count_synchronize(monkeypatch) -> list:
 def test_generation_creates_every_tensor_on_the_backbone_device(kind, draft, sampling):
     model = _model()
     heads = {"medusa": random_heads, "mtp": random_mtp, None: lambda m: None}[kind](model)
-    gen = SpeculativeGenerator(model, heads, draft=draft, adaptive_budget=False)
+    gen = SpeculativeGenerator(model, heads, draft=draft)
     kwargs = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, seed=1) if sampling else {}
     expected = gen.generate(PROMPT, max_new_tokens=24, **kwargs)
     with torch.device(META):  # a tensor made without the backbone's device would land here, and fail
@@ -93,7 +97,7 @@ def test_verify_feeds_the_backbone_on_its_device():
                                     with_kwargs=True)
     tokens = torch.tensor([5, 6, 7], device=META)  # [N]
     verified = verify(model, DynamicCache(config=model.config), tokens, Tree([(0,), (1,)]).buffers, prefix_len=0,
-                      attention=shared_kv_kwargs(model))
+                      forward=ForwardContext(attention=shared_kv_kwargs(model)))
     assert inputs == [{META}]
     assert verified.logits.device == META and verified.logits.shape == (3, model.config.vocab_size)
     assert verified.hidden.shape == (3, model.config.hidden_size)
@@ -105,13 +109,13 @@ def test_drafters_draft_on_the_backbone_device():
     model.to(META)
     hidden = torch.zeros(PROMPT.shape[1], model.config.hidden_size, device=META)  # [P, H]
     prefill = Prefill(input_ids=PROMPT[0].to(META), hidden=hidden, root=9)
-    # adaptive_budget=False: a backbone on the meta device has no latency to measure
-    medusa_drafter = SpeculativeGenerator(model, medusa, draft="heads", adaptive_budget=False).make_drafter()
+    # built by the constructor, which measures nothing (a backbone on the meta device has no latency to measure)
+    medusa_drafter = SpeculativeGenerator(model, medusa, draft="heads").make_drafter()
     medusa_drafter.start(prefill)
     draft = medusa_drafter.propose(9, room=4)  # top-k guesses laid on the tree: shapes only
     assert {t.device for t in (draft.tokens, draft.sources, draft.values)} == {META}
     assert draft.tokens.shape == (draft.buffers.num_nodes,)
-    mtp_drafter = SpeculativeGenerator(model, mtp, draft="heads", adaptive_budget=False).make_drafter()
+    mtp_drafter = SpeculativeGenerator(model, mtp, draft="heads").make_drafter()
     step, inputs = mtp_drafter.heads.step, []
 
     def recording_step(*args, **kwargs):
@@ -128,7 +132,7 @@ def test_heads_follow_the_backbone_device_and_dtype():
     model = _model()
     heads = random_mtp(model)
     model.to(device=META, dtype=torch.float16)
-    gen = SpeculativeGenerator(model, heads, draft="heads", adaptive_budget=False)
+    gen = SpeculativeGenerator(model, heads, draft="heads")
     assert {(p.device, p.dtype) for p in gen.heads.parameters()} == {(META, torch.float16)}
 
 
@@ -142,16 +146,16 @@ def test_a_sampling_generator_must_be_on_the_backbone_device():
 def test_synchronize_waits_on_an_accelerator_only(monkeypatch):
     waited = []
     monkeypatch.setattr(torch.accelerator, "synchronize", waited.append)
-    timing.synchronize(torch.device("cpu"))
-    timing.synchronize(META)
+    machine.synchronize(torch.device("cpu"))
+    machine.synchronize(META)
     assert waited == []
-    assert isinstance(timing.clock(torch.device("cuda", 0)), float)
+    assert isinstance(machine.clock(torch.device("cuda", 0)), float)
     assert waited == [torch.device("cuda", 0)]
 
 
 def test_the_loop_waits_for_the_device_before_every_clock_read(monkeypatch):
     model = _model()
-    gen = SpeculativeGenerator(model, random_mtp(model), draft="hybrid", adaptive_budget=False)
+    gen = SpeculativeGenerator(model, random_mtp(model), draft="hybrid")
     calls = _count_synchronize(monkeypatch)
     out = gen.generate(PROMPT, max_new_tokens=16)
     # prefill: start and end; decode: start and end; each round: before propose, verify, accept, commit, and after
@@ -199,10 +203,10 @@ def test_calibration_keys_tell_cpu_instruction_sets_apart(monkeypatch):
     latency table or tree="auto" choice made on one is not read on the other."""
     model = _model()
     heads = random_heads(model)
-    assert calibration_store.cpu_isa() == torch.backends.cpu.get_cpu_capability()
+    assert cpu_isa() == torch.backends.cpu.get_cpu_capability()
     keys = set()
     for isa in ("AVX512", "AVX2"):
-        monkeypatch.setattr(calibration_store, "cpu_isa", lambda isa=isa: isa)
+        monkeypatch.setattr(store, "cpu_isa", lambda isa=isa: isa)
         machine = machine_fingerprint(model)
         assert machine["cpu_isa"] == isa
         keys.add(calibration_key(model, heads, machine))
@@ -210,12 +214,12 @@ def test_calibration_keys_tell_cpu_instruction_sets_apart(monkeypatch):
 
 
 def test_bf16_on_a_cpu_without_native_bf16_is_warned_about_when_loading(monkeypatch, tmp_path):
-    """On an AVX2-only CPU bf16 verifies cost nearly a decode step per token (the hybrid gave 0.87x there, 1.41x in
-    fp32): from_pretrained says so when bf16 is asked for and names the fix; with native bf16, or in fp32, it says
+    """On an AVX2-only CPU bf16 verifies cost nearly a decode step per token (docs/benchmarks.md): from_pretrained says
+    so when bf16 is asked for and names the fix; with native bf16, or in fp32, it says
     nothing. Its default dtype ("auto") is float32 on such a CPU and bfloat16 where bf16 is native."""
     from tiny_tokenizer import tiny_tokenizer
 
-    from tokenmaxx.heads import backbones
+    from tokenmaxx.heads.io import backbones
 
     model = tiny_model("llama")
     model.save_pretrained(tmp_path / "backbone")
@@ -224,7 +228,7 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned_about_when_loading(monkeypa
 
     def load(**dtype):
         gen = SpeculativeGenerator.from_pretrained(str(tmp_path / "backbone"), heads=str(tmp_path / "heads"),
-                                                   device="cpu", **dtype)
+                                                   device="cpu", costs=None, **dtype)  # the warning, not the costs
         return gen.model.get_output_embeddings().weight.dtype
 
     assert backbones.cpu_has_native_bf16() in (True, False)
@@ -257,7 +261,8 @@ def test_kv_head_sharing_stays_off_off_the_cpu():
     assert shares_kv_heads(model)
     model.to(META)  # any device but the CPU: on CUDA, SDPA with a mask and enable_gqa runs its slow math kernel
     assert not shares_kv_heads(model)
-    assert shared_kv_kwargs(model) == {} and model.config._attn_implementation == "sdpa"  # left on transformers' own
+    assert not use_shared_kv_attention(model) and model.config._attn_implementation == "sdpa"  # transformers' own
+    assert shared_kv_kwargs(model) == {}
 
 
 # ---- half precision ----------------------------------------------------------------------------------------------
@@ -269,7 +274,7 @@ def test_half_precision_backbones_generate(dtype):
     model.generation_config.eos_token_id = None
     heads = random_mtp(model)
     model.to(dtype)
-    gen = SpeculativeGenerator(model, heads, draft="hybrid", adaptive_budget=False)
+    gen = SpeculativeGenerator(model, heads, draft="hybrid")
     out = gen.generate(PROMPT, max_new_tokens=16)
     assert len(out.new_tokens) == 16 and all(0 <= t < model.config.vocab_size for t in out.new_tokens)
     assert {p.dtype for p in gen.heads.parameters()} == {dtype}

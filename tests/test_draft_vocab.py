@@ -5,7 +5,7 @@ import torch
 from helpers import greedy_reference, random_heads, random_mtp
 
 import tokenmaxx.inference.loop as loop_module
-from tokenmaxx.heads import DraftHeads
+from tokenmaxx.heads import load_heads
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.heads.draft_vocab import frequent_tokens
 
@@ -23,7 +23,7 @@ def test_draft_vocab_guesses_stay_inside_and_output_is_identical(model, kind, mo
     allowed = torch.arange(3, 96, 3)  # a third of the vocabulary
     heads.set_draft_vocab(allowed)
     heads.save_pretrained(tmp_path / "h")
-    heads = DraftHeads.from_pretrained(tmp_path / "h")
+    heads = load_heads(tmp_path / "h")
     assert heads.draft_vocab.tolist() == allowed.tolist() and heads.config.draft_vocab_size == allowed.numel()
     seen = []
     real_verify = loop_module.verify
@@ -53,6 +53,7 @@ def test_set_draft_vocab_checks_and_removal(model):
     assert heads.draft_vocab is None and "draft_vocab" not in heads.state_dict()
 
 
+@pytest.mark.slow
 def test_draft_vocab_script_adds_and_removes(tmp_path, model):
     import subprocess
     import sys
@@ -68,9 +69,9 @@ def test_draft_vocab_script_adds_and_removes(tmp_path, model):
                                     capture_output=True, text=True, timeout=120)
     proc = run("--data", str(tmp_path / "data"), "--size", "3", "--eval_fraction", "0.34")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    heads = DraftHeads.from_pretrained(tmp_path / "h")
+    heads = load_heads(tmp_path / "h")
     assert heads.draft_vocab.numel() == 3 and 7 in heads.draft_vocab.tolist()  # 7 is the most frequent token
     assert heads.config.extra["draft_vocab"]["size"] == 3
     assert run("--remove").returncode == 0
-    assert DraftHeads.from_pretrained(tmp_path / "h").draft_vocab is None
+    assert load_heads(tmp_path / "h").draft_vocab is None
     assert "--data is required" in run().stderr

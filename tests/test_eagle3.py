@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from helpers import assert_matches_greedy, random_eagle3, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from tokenmaxx.heads import BackboneMismatchError, DraftHeads, Eagle3Heads, HeadsConfig
+from tokenmaxx.heads import BackboneMismatchError, Eagle3Heads, HeadsConfig, load_heads
 from tokenmaxx.heads.eagle3 import default_feature_layers
 from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
@@ -106,7 +106,7 @@ def test_save_load_round_trip(tmp_path):
     heads = random_eagle3(model, seed=7)
     heads.set_draft_vocab(range(3, 60))
     heads.save_pretrained(tmp_path / "e3")
-    loaded = DraftHeads.from_pretrained(tmp_path / "e3")
+    loaded = load_heads(tmp_path / "e3")
     assert isinstance(loaded, Eagle3Heads) and loaded.feature_layers == (0, 1, 2)
     assert heads.state_dict().keys() == loaded.state_dict().keys()
     assert all(torch.equal(a, loaded.state_dict()[k]) for k, a in heads.state_dict().items())
@@ -131,12 +131,13 @@ def test_training_step_learns(model):
     assert stats.shape == (4, 3) and losses[-1] < 0.8 * losses[0]
 
 
+@pytest.mark.slow
 def test_auto_budget_calibrates_eagle3_heads_on_their_feature_layers(tmp_path, monkeypatch):
     """tree='auto' calibrates along the backbone's continuations with the states the heads read (three layers for
     EAGLE-3, not the final state alone: that once failed with a shape error), then generates greedy-identically."""
     from tiny_tokenizer import tiny_tokenizer
 
-    from tokenmaxx.inference import autotune
+    from tokenmaxx.inference.measure import autotune
 
     model, tok = tiny_model("llama", seed=12), tiny_tokenizer()
     model.generation_config.eos_token_id = None

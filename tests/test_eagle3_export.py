@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tiny_tokenizer import tiny_tokenizer
 
 from tokenmaxx.heads import DynamicTreeConfig, Eagle3Heads, export_eagle3, load_backbone, load_eagle3
-from tokenmaxx.heads.eagle3_export import ExportError
+from tokenmaxx.heads.io.eagle3_export import ExportError
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.scripts import export_heads
 
@@ -167,6 +167,7 @@ def test_the_export_imports_back_with_identical_drafts(tmp_path, vocab):
     assert runs[0] == runs[1] and runs[0][2] == (2, 4, 5)
 
 
+@pytest.mark.slow
 def test_heads_with_their_own_serving_tree_export_and_import_back_with_it(tmp_path):
     """Trained heads carry the dynamic tree they were exported with (train_heads --dynamic_tree, as the shipped ones
     do): the export keeps it in its tokenmaxx block and the import drafts with it again."""

@@ -13,8 +13,11 @@ import torch
 from helpers import OnTestDevice
 
 from tokenmaxx.heads import BACKBONES, import_gguf
-from tokenmaxx.heads.backbones import _data_file
+from tokenmaxx.heads.io.backbones import _data_file
 from tokenmaxx.scripts import device_check
+
+# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 CARRY_LIMIT = 64 * 1024 * 1024
@@ -94,7 +97,7 @@ def test_the_backbone_travels_in_parts_under_the_carry_limit_and_imports_there(t
     assert digest == spec.sha256
     # what --receive + the import do on the GPU machine: a fresh cache, filled from the parts alone
     env = {**os.environ, "TOKENMAXX_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "tokenmaxx.heads.backbones", "--import", "smollm2-135m",
+    proc = subprocess.run([sys.executable, "-m", "tokenmaxx.heads.io.backbones", "--import", "smollm2-135m",
                            *map(str, parts)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     folder = Path(proc.stdout.strip().splitlines()[-1])

@@ -8,7 +8,12 @@ import sys
 import tarfile
 from pathlib import Path
 
-from tokenmaxx.heads import DraftHeads, Eagle3Heads, MTPHeads
+import pytest
+
+from tokenmaxx.heads import Eagle3Heads, MTPHeads, load_heads
+
+# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 PIECE_LIMIT = 16 * 1024 * 1024  # a device call brings back at most 8 files of 16 MiB
@@ -40,8 +45,8 @@ def test_the_dry_run_trains_every_kind_inside_its_budget_and_packs_them(tmp_path
     with tarfile.open(joined) as tar:
         tar.extractall(tmp_path / "runs", filter="data")
         assert not any("checkpoints" in name for name in tar.getnames())  # the heads travel, not the optimizer
-    assert isinstance(DraftHeads.from_pretrained(tmp_path / "runs" / "run-mtp" / "heads"), MTPHeads)
-    assert isinstance(DraftHeads.from_pretrained(tmp_path / "runs" / "run-eagle3" / "heads"), Eagle3Heads)
+    assert isinstance(load_heads(tmp_path / "runs" / "run-mtp" / "heads"), MTPHeads)
+    assert isinstance(load_heads(tmp_path / "runs" / "run-eagle3" / "heads"), Eagle3Heads)
     for kind in ("mtp", "eagle3"):
         steps = [json.loads(line) for line in (tmp_path / "runs" / f"run-{kind}" / "metrics.jsonl").open()]
         assert [r["step"] for r in steps if r["split"] == "train"] == list(range(1, 46))

@@ -32,9 +32,13 @@ from huggingface_hub import ModelCard, constants
 from hub_write_standin import HubWriteStandin
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.heads import BackboneMismatchError, DraftHeads, load_backbone
-from tokenmaxx.heads.hub import HubAuthError, HubUnreachableError, download_heads, push_to_hub
+from tokenmaxx.heads import BackboneMismatchError, load_backbone, load_heads, push_heads
+from tokenmaxx.heads.io import hub as hub_module
+from tokenmaxx.heads.io.hub import HubAuthError, HubUnreachableError, download_heads
 from tokenmaxx.inference import SpeculativeGenerator
+
+
+from tokenmaxx.heads import resolve_heads
 
 # huggingface_hub's LFS upload passes a file object as data= (its own code, not ours)
 pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
@@ -167,7 +171,7 @@ def test_round_trip_is_byte_identical_and_generates_the_same(hub, backbones, tmp
     model, tokenizer, _ = backbones["a"]
     heads = random_heads(model, seed=1, tree=[[0], [1], [0, 0], [0, 0, 0]])
     heads.save_pretrained(tmp_path / "local")
-    info = heads.push_to_hub("org/round-trip", token=TOKEN, endpoint=hub.url, private=True)
+    info = push_heads(heads, "org/round-trip", token=TOKEN, endpoint=hub.url, private=True)
     assert _git(hub, "org/round-trip", "rev-parse", "main") == info.oid
     created = json.loads((hub.mirror / "models" / "org" / "round-trip" / ".git" / "standin.json").read_text())
     assert created == {"owner": "tester", "visibility": "private"}  # recorded only: olah serves every repo
@@ -181,7 +185,7 @@ def test_round_trip_is_byte_identical_and_generates_the_same(hub, backbones, tmp
     card = ModelCard.load(folder / "README.md")
     assert card.data.library_name == "tokenmaxx" and "speculative-decoding" in card.data.tags
 
-    downloaded = DraftHeads.from_pretrained("org/round-trip", endpoint=hub.read_url, cache_dir=str(tmp_path / "cache"))
+    downloaded = load_heads("org/round-trip", endpoint=hub.read_url, cache_dir=str(tmp_path / "cache"))
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True,
                                         return_tensors="pt")["input_ids"]
     remote = SpeculativeGenerator(model, downloaded, tokenizer=tokenizer, draft="heads").generate(ids, max_new_tokens=48)
@@ -198,22 +202,22 @@ def test_second_push_is_a_new_commit_and_revisions_pin(hub, backbones, tmp_path)
     model = backbones["a"][0]
     cache = str(tmp_path / "cache")
     v1, v2 = random_heads(model, seed=2), random_heads(model, seed=3)
-    first = v1.push_to_hub("org/versions", token=TOKEN, endpoint=hub.url)
-    second = v2.push_to_hub("org/versions", token=TOKEN, endpoint=hub.url, commit_message="retrained")
+    first = push_heads(v1, "org/versions", token=TOKEN, endpoint=hub.url)
+    second = push_heads(v2, "org/versions", token=TOKEN, endpoint=hub.url, commit_message="retrained")
     assert second.oid != first.oid and _git(hub, "org/versions", "rev-parse", "main^") == first.oid
     assert _git(hub, "org/versions", "log", "-1", "--format=%s", "main") == "retrained"
     # only the weights changed: config.json and README.md were skipped by huggingface_hub as unchanged
     assert _git(hub, "org/versions", "diff", "--name-only", first.oid, second.oid) == "model.safetensors"
-    again = v2.push_to_hub("org/versions", token=TOKEN, endpoint=hub.url)  # nothing changed: no commit
+    again = push_heads(v2, "org/versions", token=TOKEN, endpoint=hub.url)  # nothing changed: no commit
     assert again.oid == second.oid and _git(hub, "org/versions", "rev-list", "--count", "main") == "3"
 
-    latest = DraftHeads.from_pretrained("org/versions", endpoint=hub.read_url, cache_dir=cache)
-    pinned = DraftHeads.from_pretrained("org/versions", revision=first.oid, endpoint=hub.read_url, cache_dir=cache)
+    latest = load_heads("org/versions", endpoint=hub.read_url, cache_dir=cache)
+    pinned = load_heads("org/versions", revision=first.oid, endpoint=hub.read_url, cache_dir=cache)
     for got, want in ((latest, v2), (pinned, v1)):
         for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
             assert torch.equal(a, b), name
 
-    branch = v1.push_to_hub("org/versions", token=TOKEN, endpoint=hub.url, revision="experiment")
+    branch = push_heads(v1, "org/versions", token=TOKEN, endpoint=hub.url, revision="experiment")
     assert _git(hub, "org/versions", "rev-parse", "main") == second.oid  # main untouched
     on_branch = download_heads("org/versions", revision="experiment", endpoint=hub.read_url, cache_dir=cache)
     at_first = download_heads("org/versions", revision=first.oid, endpoint=hub.read_url, cache_dir=cache)
@@ -222,12 +226,13 @@ def test_second_push_is_a_new_commit_and_revisions_pin(hub, backbones, tmp_path)
           f"branch 'experiment' {branch.oid[:12]}; revision={first.oid[:12]} returns v1")
 
 
+@pytest.mark.slow
 def test_card_usage_snippet_runs_and_backbone_is_checked(hub, backbones, tmp_path):
     """The card's python block, run as a user would (HF_ENDPOINT set), generates what local heads generate; the
     public API then refuses the heads on another backbone, naming both."""
     model, tokenizer, folder_a = backbones["a"]
     heads = random_heads(model, seed=4)
-    heads.push_to_hub("org/snippet", token=TOKEN, endpoint=hub.url)
+    push_heads(heads, "org/snippet", token=TOKEN, endpoint=hub.url)
     card = ModelCard.load(download_heads("org/snippet", endpoint=hub.read_url, cache_dir=str(tmp_path / "c")) /
                           "README.md")
     snippet = re.search(r"```python\n(.*?)```", card.text, flags=re.S).group(1)
@@ -254,8 +259,8 @@ def test_card_usage_snippet_runs_and_backbone_is_checked(hub, backbones, tmp_pat
 
 def test_downloaded_heads_are_checked_against_the_backbone(hub, backbones, tmp_path):
     heads = random_heads(backbones["a"][0], seed=5)
-    heads.push_to_hub("org/checked", token=TOKEN, endpoint=hub.url)
-    got = DraftHeads.from_pretrained("org/checked", endpoint=hub.read_url, cache_dir=str(tmp_path / "c"))
+    push_heads(heads, "org/checked", token=TOKEN, endpoint=hub.url)
+    got = load_heads("org/checked", endpoint=hub.read_url, cache_dir=str(tmp_path / "c"))
     with pytest.raises(BackboneMismatchError, match=re.escape(backbones["b"][2])) as err:
         SpeculativeGenerator(backbones["b"][0], got, draft="heads")
     assert backbones["a"][2] in str(err.value)
@@ -277,11 +282,11 @@ def test_unreachable_endpoint_is_a_clear_error_and_changes_nothing(backbones, tm
     start = time.monotonic()
     message = f"cannot reach the Hub at {dead} to create the repo 'org/x' .*no commit was made"
     with pytest.raises(HubUnreachableError, match=message):
-        heads.push_to_hub("org/x", token=TOKEN, endpoint=dead)
+        push_heads(heads, "org/x", token=TOKEN, endpoint=dead)
     with pytest.raises(HubUnreachableError, match=message):
-        push_to_hub(tmp_path / "heads", "org/x", endpoint=dead)  # a saved folder, as the script pushes it
+        push_heads(tmp_path / "heads", "org/x", endpoint=dead)  # a saved folder, as the script pushes it
     with pytest.raises(HubUnreachableError, match=f"cannot reach the Hub at {dead} .* holds no copy"):
-        DraftHeads.from_pretrained("org/x", endpoint=dead, cache_dir=str(tmp_path / "cache"))
+        load_heads("org/x", endpoint=dead, cache_dir=str(tmp_path / "cache"))
     assert time.monotonic() - start < 10, "unreachable endpoints must fail fast (no retry loops)"
     assert _snapshot(tmp_path) == before
     assert {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("tokenmaxx-push-")} == temp_before
@@ -291,27 +296,27 @@ def test_push_without_or_with_a_wrong_token_is_refused(hub, backbones):
     heads = random_heads(backbones["a"][0], seed=7)
     with pytest.raises(HubAuthError, match=r"refused to create the repo 'org/no-token' \(HTTP 401\): no token was "
                                            r"found: pass token=, set HF_TOKEN"):
-        heads.push_to_hub("org/no-token", endpoint=hub.url)
+        push_heads(heads, "org/no-token", endpoint=hub.url)
     wrong = "hf_wrongTOKEN000000000000000000"
     with pytest.raises(HubAuthError, match="the token from the token= argument was not accepted") as err:
-        heads.push_to_hub("org/no-token", token=wrong, endpoint=hub.url)
+        push_heads(heads, "org/no-token", token=wrong, endpoint=hub.url)
     assert wrong not in str(err.value)
     assert not (hub.mirror / "models" / "org" / "no-token").exists()
 
 
 def test_offline_mode_uses_the_cache_or_says_why_not(hub, backbones, tmp_path, monkeypatch):
     heads = random_heads(backbones["a"][0], seed=8)
-    info = heads.push_to_hub("org/offline", token=TOKEN, endpoint=hub.url)
+    info = push_heads(heads, "org/offline", token=TOKEN, endpoint=hub.url)
     cache = str(tmp_path / "cache")
-    DraftHeads.from_pretrained("org/offline", endpoint=hub.read_url, cache_dir=cache)  # online: fills the cache
+    load_heads("org/offline", endpoint=hub.read_url, cache_dir=cache)  # online: fills the cache
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets at import
     for revision in (None, info.oid):
-        cached = DraftHeads.from_pretrained("org/offline", revision=revision, endpoint=hub.read_url, cache_dir=cache)
+        cached = load_heads("org/offline", revision=revision, endpoint=hub.read_url, cache_dir=cache)
         assert all(torch.equal(a, b) for a, b in zip(cached.state_dict().values(), heads.state_dict().values()))
     with pytest.raises(FileNotFoundError, match=r"not in the Hugging Face cache .*HF_HUB_OFFLINE=1"):
-        DraftHeads.from_pretrained("org/offline", endpoint=hub.read_url, cache_dir=str(tmp_path / "empty"))
+        load_heads("org/offline", endpoint=hub.read_url, cache_dir=str(tmp_path / "empty"))
     with pytest.raises(HubUnreachableError, match="HF_HUB_OFFLINE is set"):
-        heads.push_to_hub("org/offline", token=TOKEN, endpoint=hub.url)
+        push_heads(heads, "org/offline", token=TOKEN, endpoint=hub.url)
 
 
 @pytest.mark.parametrize("repo_id", ["", "org/", "a/b/c", "org name/heads", "org/heads!", "-org/x", "org/x" * 30])
@@ -319,16 +324,16 @@ def test_malformed_repo_id_fails_before_any_request(hub, backbones, repo_id):
     heads = random_heads(backbones["a"][0], seed=9)
     requests = len(hub.log)
     with pytest.raises(ValueError, match=re.escape(f"malformed Hub repo id {repo_id!r}: expected 'org/name'")):
-        heads.push_to_hub(repo_id, token=TOKEN, endpoint=hub.url)
+        push_heads(heads, repo_id, token=TOKEN, endpoint=hub.url)
     assert len(hub.log) == requests
     with pytest.raises(FileNotFoundError, match="no such heads folder .*not a Hub repo id of the form 'org/name'"):
-        DraftHeads.from_pretrained(repo_id or "a/b/c", endpoint=hub.read_url)
+        load_heads(repo_id or "a/b/c", endpoint=hub.read_url)
 
 
 def test_a_repo_missing_on_the_hub_says_what_was_tried_locally(hub, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError) as err:
-        DraftHeads.from_pretrained("org/never-pushed", endpoint=hub.read_url, cache_dir=str(tmp_path / "cache"))
+        load_heads("org/never-pushed", endpoint=hub.read_url, cache_dir=str(tmp_path / "cache"))
     message = str(err.value)
     assert f"no such heads folder {tmp_path.resolve() / 'org' / 'never-pushed'}" in message
     assert f"no repo 'org/never-pushed' (revision main) on the Hub at {hub.read_url}" in message
@@ -341,7 +346,7 @@ def test_token_is_never_printed_or_logged(hub, backbones, tmp_path, capsys, capl
     heads = random_heads(backbones["a"][0], seed=10)
     heads.save_pretrained(tmp_path / "heads")
     (tmp_path / "bench.json").write_text(json.dumps(BENCH))
-    heads.push_to_hub("org/secret", token=TOKEN, endpoint=hub.url)
+    push_heads(heads, "org/secret", token=TOKEN, endpoint=hub.url)
     monkeypatch.setenv("HF_TOKEN", TOKEN)  # the script takes the token from the environment only
     spec = importlib.util.spec_from_file_location("push_to_hub_script", REPO / "scripts" / "push_to_hub.py")
     script = importlib.util.module_from_spec(spec)
@@ -399,3 +404,53 @@ def test_standin_rejects_bad_uploads_and_stays_bounded(tmp_path):
         assert call(f"{st.url}/api/models/tester/r/commit/nobranch", "POST", commit)[0] == 404
         assert call(f"{st.url}/api/models/tester/r/revision/main", "GET", None)[0] == 404  # no read server behind
         assert TOKEN not in "\n".join(st.log)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """A working directory with a runs/ folder (as after a training run); any Hub request fails the test."""
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"the Hub was asked for {args} {kwargs}")
+
+    monkeypatch.setattr(hub_module, "download_heads", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    return tmp_path.resolve()
+
+
+@pytest.mark.parametrize("spec", ["nope", "./runs/exprt", "../exprt", "runs/exprt/", "runs/a/exprt", "~/no-such-heads",
+                                  "org name/heads", "ABSOLUTE"])
+def test_a_heads_path_naming_no_folder_is_not_sent_to_the_hub(workdir, spec):
+    spec = str(workdir / "runs" / "gone") if spec == "ABSOLUTE" else spec
+    resolved = Path(spec).expanduser().resolve()
+    with pytest.raises(FileNotFoundError, match=f"no such heads folder {re.escape(str(resolved))}") as err:
+        load_heads(spec)
+    assert "not a Hub repo id of the form 'org/name' either, so the Hub was not asked" in str(err.value)
+    with pytest.raises(FileNotFoundError, match=re.escape(str(resolved))):  # what scripts/generate.py --heads calls
+        resolve_heads(spec, None, "smollm2-135m")
+
+
+def test_a_heads_path_naming_a_file_says_so(workdir):
+    (workdir / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(workdir / 'model.safetensors'))} is a file, not a "
+                                                "heads folder"):
+        load_heads("model.safetensors")
+
+
+def test_an_unreachable_hub_says_what_was_tried_locally_and_on_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(HubUnreachableError) as err:  # "runs/exprt" has the form org/name: the Hub is asked too
+        load_heads("runs/exprt", endpoint=dead, cache_dir=str(tmp_path / "cache"))
+    message = str(err.value)
+    local = tmp_path.resolve() / "runs" / "exprt"
+    assert f"no such heads folder {local} (its parent {local.parent} exists: a typo?)" in message
+    assert f"cannot reach the Hub at {dead} for heads 'runs/exprt' (revision main)" in message

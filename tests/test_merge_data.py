@@ -140,6 +140,7 @@ def test_merge_script(parts, tmp_path, capsys):
     assert "5 records from 2 datasets" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_merge_script_bad_input_is_one_error_line(parts, tmp_path):
     command = [sys.executable, str(REPO / "scripts" / "merge_data.py"), str(parts[0]), str(tmp_path / "nowhere"),
                "--output_dir", str(tmp_path / "mix")]

@@ -1,57 +1,20 @@
 """MTP (sequential) heads and dynamic draft trees: training unroll == cached inference, greedy identity with random
 and oracle MTP heads on tiny Llama / Qwen2, tree construction on hand-built log-probabilities, save/load, bad inputs."""
 
-import json
 import math
 
 import pytest
-from helpers import (assert_matches_greedy, chi2_pvalue, exact_pair, greedy_reference, oracle_tau, random_eagle3,
+from helpers import (OracleMTP, assert_matches_greedy, chi2_pvalue, exact_pair, greedy_reference, oracle_tau, random_eagle3,
                      random_heads, random_mtp, random_prompts, tiny_model)
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MTPHeads
+from tokenmaxx.heads import BackboneMismatchError, HeadsConfig, MTPHeads, load_heads
 from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.heads.dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
-from tokenmaxx.inference.latency import VerifyLatency
+from tokenmaxx.inference import Costs, VerifyLatency
 from tokenmaxx.inference.sampling import build_warpers, target_probs
-
-
-class OracleMTP(MTPHeads):
-    """Real MTP module (cache, masks, positions all exercised) whose logits are rigged from a reference continuation.
-
-    A query at position q conditioned on token x predicts the token at q+2. If x is the reference token at q+1 (the
-    path so far is right), the true token is put at rank 0 (prob p_top) or rank 1 behind a decoy; otherwise noise.
-    """
-
-    def __init__(self, model, reference: torch.Tensor, p_top: float = 0.7, seed: int = 0):
-        base = MTPHeads.for_backbone(model, num_heads=3)
-        super().__init__(base.config)
-        self.reference = reference[0].tolist()
-        self.seed = seed
-        self.p_top = p_top
-        self._rows = []
-
-    def step(self, prev, tokens, embed, position_ids, attention_mask, cache=None, **attention):
-        self._rows = list(zip(position_ids[0].tolist(), tokens[0].tolist()))
-        return super().step(prev, tokens, embed, position_ids, attention_mask, cache, **attention)
-
-    def logits(self, states, lm_head):
-        vocab = lm_head.weight.shape[0]
-        rows = self._rows[-1:] if states.dim() == 1 else self._rows
-        out = torch.empty(len(rows), vocab)
-        for i, (q, tok) in enumerate(rows):
-            gen = torch.Generator().manual_seed(self.seed * 100003 + q * 1009 + tok)  # same query, same guesses
-            out[i] = torch.randn(vocab, generator=gen)
-            if q + 2 < len(self.reference) and self.reference[q + 1] == tok:
-                target = self.reference[q + 2]
-                if float(torch.rand((), generator=gen)) < self.p_top:
-                    out[i, target] = 12.0
-                else:
-                    out[i, int(torch.randint(vocab, (), generator=gen))] = 12.0
-                    out[i, target] = 11.0
-        return out[0] if states.dim() == 1 else out
 
 
 # ---- the module --------------------------------------------------------------------------------------------------
@@ -147,7 +110,7 @@ def test_save_load_round_trip_and_checks(tmp_path):
     model = tiny_model("qwen2")
     heads = random_mtp(model, seed=3)
     heads.save_pretrained(tmp_path / "mtp")
-    loaded = DraftHeads.from_pretrained(tmp_path / "mtp")
+    loaded = load_heads(tmp_path / "mtp")
     assert isinstance(loaded, MTPHeads) and loaded.config.layer_config["model_type"] == "qwen2"
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
@@ -260,8 +223,7 @@ def test_random_mtp_heads_match_greedy(model, tree):
 @pytest.mark.parametrize("p_top", [1.0, 0.6])
 def test_oracle_mtp_heads_match_greedy_with_long_acceptance(model, p_top):
     tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(  # whole trees: acceptance, not sizing
-        model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4", draft="heads",
-        adaptive_budget=False), 5, seed=5)
+        model, OracleMTP(model, reference, p_top=p_top, seed=i), tree="dynamic:nodes=16,topk=3,depth=4", draft="heads"), 5, seed=5)
     assert tau > (4.0 if p_top == 1.0 else 2.5), tau
 
 
@@ -273,16 +235,16 @@ def test_heads_only_trees_are_cut_to_the_nodes_worth_their_verify_time(model):
     def sized(latency):
         def make(reference, i):
             gen = SpeculativeGenerator(model, OracleMTP(model, reference, p_top=1.0, seed=i),
-                                       tree="dynamic:nodes=16,topk=3,depth=4", draft="heads")
-            gen.latency = VerifyLatency({0: latency})  # as measured on some machine
+                                       tree="dynamic:nodes=16,topk=3,depth=4", draft="heads",
+                                       costs=Costs(latency=VerifyLatency({0: latency})))  # as measured somewhere
             assert gen.describe().endswith("sized per round")
             return gen
         return make
 
     assert oracle_tau(model, sized({1: 1.0, 2: 100.0, 64: 6400.0}), 3, seed=5) == 1.0
     assert oracle_tau(model, sized({1: 1.0, 64: 1.0}), 3, seed=5) > 4.0
-    fixed = SpeculativeGenerator(model, random_mtp(model), draft="heads", adaptive_budget=False)
-    assert fixed.latency is None and not fixed.describe().endswith("sized per round")
+    fixed = SpeculativeGenerator(model, random_mtp(model), draft="heads")
+    assert fixed.costs is None and not fixed.describe().endswith("sized per round")
 
 
 def test_heads_only_drafting_sits_out_rounds_that_do_not_earn_the_proposing_time(model):
@@ -293,21 +255,21 @@ def test_heads_only_drafting_sits_out_rounds_that_do_not_earn_the_proposing_time
 
     def costing(propose_cost, steps=None):
         def make(reference, i):
-            gen = SpeculativeGenerator(model, OracleMTP(model, reference, p_top=1.0, seed=i),
-                                       tree="dynamic:nodes=16,topk=3,depth=4", draft="heads")
-            gen.latency, gen.propose_cost = flat, propose_cost
-            return gen
+            return SpeculativeGenerator(model, OracleMTP(model, reference, p_top=1.0, seed=i),
+                                        tree="dynamic:nodes=16,topk=3,depth=4", draft="heads",
+                                        costs=Costs(latency=flat, propose_seconds=propose_cost))
         return make
 
     assert oracle_tau(model, costing(0.5), 3, seed=5) > 4.0
-    gen = SpeculativeGenerator(model, random_mtp(model), draft="heads")
-    gen.latency, gen.propose_cost = flat, 100.0
+    heads = random_mtp(model)
+    gen = SpeculativeGenerator(model, heads, draft="heads", costs=Costs(latency=flat, propose_seconds=100.0))
     for input_ids, max_new in random_prompts(3, model.config.vocab_size, seed=9):
         max_new += 24
         out = gen.generate(input_ids, max_new_tokens=max_new)
         assert out.sequences.tolist() == greedy_reference(model, input_ids, max_new).tolist()
         assert out.stats.heads_skipped >= (out.stats.steps - 1) * 7 // 8 - 1, out.stats
-    gen.propose_cost = 0.0  # free proposals: random heads keep proposing while they stay above min_yield
+    # free proposals: random heads keep proposing while they stay above min_yield
+    gen = SpeculativeGenerator(model, heads, draft="heads", costs=Costs(latency=flat, propose_seconds=0.0))
     assert gen.generate(input_ids, max_new_tokens=8).stats.heads_skipped == 0
 
 
@@ -322,6 +284,7 @@ def test_mtp_hybrid_and_sampling_run(model):
     assert a == b and len(a) == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True], ids=["lossless", "teeth"])
 def test_mtp_sampling_second_token_follows_the_backbone(monkeypatch, broken):
     """Seeded sampling through MTP dynamic trees: the 2nd generated token's frequencies match the backbone's exact
@@ -354,35 +317,6 @@ def test_mtp_sampling_second_token_follows_the_backbone(monkeypatch, broken):
     assert (pvalue < 1e-3) if broken else (pvalue > 1e-3), pvalue
 
 
-def test_auto_budget_times_only_the_budgets_that_can_win(monkeypatch):
-    """tree='auto' times the decode loop (short generations, verify forwards included) only of budgets whose bound
-    tau / verify latency reaches 90% of the tokens/s of the budget with the best bound; the others are left out, and
-    the choice is the one timing every budget would make."""
-    from tokenmaxx.inference import autotune
-
-    taus = {4: 2.0, 8: 2.4, 16: 2.6, 32: 2.7, 64: 2.8}
-    latency = {4: 0.10, 8: 0.11, 16: 0.14, 32: 0.25, 64: 0.60}  # bounds 20, 21.8, 18.6, 10.8, 4.7 tok/s
-    overhead = {4: 0.010, 8: 0.012, 16: 0.015, 32: 0.02, 64: 0.03}
-    calls = []
-
-    def fake_overheads(model, heads, tokenizer, trees, repeats=3, max_new_tokens=48):
-        calls.append((sorted(trees), repeats))
-        assert max_new_tokens == 48
-        assert all(tree.nodes == n for n, tree in trees.items())
-        return {n: overhead[n] for n in trees}
-
-    monkeypatch.setattr(autotune, "measure_overheads", fake_overheads)
-    loop, untimed = autotune.timed_overheads(None, None, None, DynamicTreeConfig(), taus, latency)
-    # first the best bound (8 nodes: 2.4 / 0.122 s = 19.7 tok/s), then every bound >= 17.7 tok/s, interleaved
-    assert calls == [([8], 1), ([4, 8, 16], 3)]
-    assert loop == {n: overhead[n] for n in (4, 8, 16)}
-    assert [row["nodes"] for row in untimed] == [32, 64]
-    assert untimed[0] == {"nodes": 32, "expected_tau": 2.7, "bound_tokens_per_s": pytest.approx(10.8)}
-    every = max(taus, key=lambda n: taus[n] / (latency[n] + overhead[n]))
-    assert every == max(loop, key=lambda n: taus[n] / (latency[n] + loop[n])) == 8
-
-
-# ---- bad inputs ----------------------------------------------------------------------------------------------------
 def test_tree_kinds_must_match_head_kinds(model):
     with pytest.raises(ValueError, match="sequential heads"):
         SpeculativeGenerator(model, random_heads(model), tree="dynamic:16", draft="heads")
@@ -390,83 +324,3 @@ def test_tree_kinds_must_match_head_kinds(model):
         SpeculativeGenerator(model, random_mtp(model), tree="chain:3", draft="heads")
     with pytest.raises(ValueError, match="nodes"):
         SpeculativeGenerator(model, random_mtp(model), tree="dynamic:0", draft="heads")
-
-
-def test_auto_budget_calibrates_once_caches_and_measures_tau(tmp_path, monkeypatch, capsys):
-    """tree='auto' with MTP heads: expected tau per node budget along the backbone's own continuation (an oracle
-    that always drafts the truth gets tau = 1 + depth for every budget that holds a full chain), the budget with the
-    best tokens/s is chosen (shown on stderr with its numbers against a 1-node tree's), cached per machine, and read
-    back without calibrating again (saying from which file)."""
-    from tiny_tokenizer import tiny_tokenizer
-
-    from tokenmaxx.inference import autotune
-
-    model, tok = tiny_model("llama", seed=12), tiny_tokenizer()
-    model.generation_config.eos_token_id = None
-    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
-    monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.",))
-    ids = tok.apply_chat_template([{"role": "user", "content": "count to ten."}], add_generation_prompt=True,
-                                  return_dict=True, return_tensors="pt")["input_ids"]
-    oracle = OracleMTP(model, greedy_reference(model, ids, 140), p_top=1.0)
-    taus, propose_s = autotune.calibrate_dynamic(model, oracle, tok, DynamicTreeConfig(topk=2, depth=3),
-                                                     budgets=(2, 4, 8), max_new_tokens=30)
-    assert taus[2] == pytest.approx(2.0, abs=0.05)  # one node: the right first guess, every time
-    assert taus[4] == pytest.approx(4.0, abs=0.15)  # a full depth-3 chain fits (minus the last positions)
-    chosen = autotune.auto_dynamic(model, oracle, tok)
-    files = [f for f in (tmp_path / "calibration").glob("*.json") if not f.name.startswith("latency-")]
-    assert len(files) == 1  # beside the verify latency table it read
-    record = json.loads(files[0].read_text())
-    timed = [r["nodes"] for r in record["table"]]
-    assert record["dynamic_tree"]["nodes"] == chosen.nodes and sorted(timed + [
-        r["nodes"] for r in record["untimed"]]) == list(autotune.DYNAMIC_BUDGETS)
-    overhead = [record["overhead"][str(n)] for n in timed]  # fitted: never decreasing
-    assert overhead == sorted(overhead) and all(a >= b for a, b in zip(overhead, [
-        record["measured_overhead"][str(n)] for n in timed]))
-    err = capsys.readouterr().err
-    assert "tree='auto': calibrating on prompts" in err and "tree='auto': timing the decode loop" in err
-    [line] = [line for line in err.splitlines() if line.startswith("tree='auto': chose")]
-    row = next(row for row in record["table"] if row["nodes"] == chosen.nodes)
-    assert line.startswith(f"tree='auto': chose a dynamic tree of {chosen.nodes} nodes: "
-                           f"{row['tokens_per_s']:.1f} tok/s expected (tau {row['expected_tau']:.2f}, "), line
-    assert f" vs {1 / record['latency']['1']:.1f} tok/s with 1 node (" in line and f"cached in {files[0]})" in line
-    monkeypatch.setattr(autotune, "calibrate_dynamic", lambda *a, **k: pytest.fail("calibrated twice"))
-    gen = SpeculativeGenerator.create(model, oracle, tokenizer=tok, tree="auto", draft="heads",
-                                      small_row_linears=False)  # calibrated above as for verifies without them
-    assert gen.tree_settings == chosen
-    choice = line.removeprefix("tree='auto': ").split(" (calibrated in")[0]
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tree='auto'")]
-    assert said == [f"tree='auto': read from cache {files[0]}: {choice}"]  # (beside the generator's latency timing)
-
-
-def test_auto_budget_calibrates_on_the_size_asked_for(tmp_path, monkeypatch):
-    """tree='auto:prompts=N,tokens=T' with MTP heads: tau is measured along the first N prompts' T-token
-    continuations, the decode loop timed on min(T, 48)-token generations, and the record cached under its size."""
-    from tiny_tokenizer import tiny_tokenizer
-
-    from tokenmaxx.inference import autotune
-
-    model, tok = tiny_model("llama", seed=12), tiny_tokenizer()
-    heads = random_mtp(model)
-    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path / "cache"))
-    asked = {}
-
-    def fake_calibrate(model, heads, tokenizer, config, prompts=None, max_new_tokens=128):
-        asked.update(prompts=prompts, tokens=max_new_tokens)
-        return dict.fromkeys(autotune.DYNAMIC_BUDGETS, 1.5), 0.001
-
-    def fake_overheads(model, heads, tokenizer, config, taus, latency, max_new_tokens=48):
-        asked["loop_tokens"] = max_new_tokens
-        return dict.fromkeys(taus, 0.001), []
-
-    monkeypatch.setattr(autotune, "calibrate_dynamic", fake_calibrate)
-    monkeypatch.setattr(autotune, "timed_overheads", fake_overheads)
-    monkeypatch.setattr(autotune, "verify_latency", lambda *a, **k: {n: 0.01 * (1 + n / 64) for n in
-                                                                     (1, *autotune.DYNAMIC_BUDGETS)})
-    gen = SpeculativeGenerator.create(model, heads, tokenizer=tok, tree="auto:prompts=3,tokens=24", draft="heads",
-                                      small_row_linears=False, adaptive_budget=False)
-    assert asked == {"prompts": autotune.CALIBRATION_PROMPTS[:3], "tokens": 24, "loop_tokens": 24}
-    assert isinstance(gen.tree_settings, DynamicTreeConfig)
-    autotune.auto_dynamic(model, heads, tok, calibration=autotune.Calibration(), cache_root=tmp_path)
-    assert asked == {"prompts": autotune.CALIBRATION_PROMPTS, "tokens": 128, "loop_tokens": 48}
-    records = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
-    assert [r["machine"]["calibration"] for r in records] == [[8, 128]]

@@ -60,23 +60,23 @@ def test_oracle_heads_token_identical_fp32(smollm2):
     input_ids = gen.encode([{"role": "user", "content": PROMPTS[1]}])
     expected = greedy_reference(model, input_ids, 40)
     oracle = OracleHeads(model, greedy_reference(model, input_ids, 48), p_top=0.8, p_wrong=0.1)
-    out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer, draft="heads",  # whole trees: acceptance
-                               adaptive_budget=False).generate(input_ids, max_new_tokens=40)
+    out = SpeculativeGenerator(model, oracle, tokenizer=tokenizer, draft="heads"  # whole trees: acceptance
+                               ).generate(input_ids, max_new_tokens=40)
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.mean_tau > 2.0
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
 def test_shipped_heads_load_and_stay_exact_fp32(smollm2, kind):
-    from tokenmaxx.heads import DraftHeads, default_heads_path
-    from tokenmaxx.heads.pretrained import shipped_heads
+    from tokenmaxx.heads import default_heads_path, load_heads
+    from tokenmaxx.heads.io.pretrained import shipped_heads
 
     model, tokenizer = smollm2
     assert default_heads_path("smollm2-135m") is not None, "the default backbone's heads must ship in heads/pretrained"
     path = shipped_heads("smollm2-135m").get(kind)
     assert path is not None, f"trained {kind} heads for the default backbone must ship in heads/pretrained"
     assert sum(f.stat().st_size for f in path.iterdir()) < 20 * 2**20
-    heads = DraftHeads.from_pretrained(path)
+    heads = load_heads(path)
     assert heads.config.kind == kind and heads.config.backbone == "smollm2-135m"
     assert heads.config.extra["metrics"]["head_top1"][0] > 0.2 and heads.draft_vocab is not None
     gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, draft="heads")
@@ -87,14 +87,18 @@ def test_shipped_heads_load_and_stay_exact_fp32(smollm2, kind):
 
 
 def test_demo_mode_matches_plain_greedy_generate(smollm2):
-    """The README's main job as the demo runs it: the shipped default heads, hybrid drafting, fp32, from the library's
-    own defaults: every token equals plain greedy ``generate``, with drafts actually accepted from both sources."""
-    from tokenmaxx.heads import DraftHeads, default_heads_path
+    """The README's main job as the demo runs it: ``from_pretrained`` with the library's defaults (the shipped default
+    heads and their own tree, hybrid drafting, this machine's costs measured), fp32: every token equals plain greedy
+    ``generate``, with drafts actually accepted from both sources."""
+    from tokenmaxx.heads import default_heads_path, load_heads
     from tokenmaxx.scripts.generate import DEFAULT_PROMPT
 
     model, tokenizer = smollm2
-    gen = SpeculativeGenerator(model, DraftHeads.from_pretrained(default_heads_path("smollm2-135m")),
-                               tokenizer=tokenizer)  # the defaults: hybrid drafting, the heads' own tree
+    gen = SpeculativeGenerator.from_pretrained("smollm2-135m", dtype="float32")
+    heads = load_heads(default_heads_path("smollm2-135m"))
+    assert gen.tree_settings == heads.tree_settings(heads.config)  # the heads' own tree
+    assert gen.costs is not None and gen.costs.latency is not None and gen.costs.propose_seconds is not None
+    assert gen.describe().endswith("+ prompt lookup")
     assert gen.draft == "hybrid"
     sources = dict.fromkeys(("heads", "lookup", "both"), 0)
     for text in (DEFAULT_PROMPT, *PROMPTS[:2]):

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "scripts" / "recipe_eagle3.sh"
 

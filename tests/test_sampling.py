@@ -135,7 +135,7 @@ def _generator_pvalue(monkeypatch, broken: bool, n=1500, draft="heads"):
     if broken:
         monkeypatch.setattr(generator_module, "accept_sampling", broken_accept)
     # adaptive_budget=False: the hybrid node budget must not hang on this machine's measured (load-dependent) latency
-    gen = SpeculativeGenerator(model, random_heads(model, seed=3), tree=TREE, draft=draft, adaptive_budget=False)
+    gen = SpeculativeGenerator(model, random_heads(model, seed=3), tree=TREE, draft=draft)
     warpers = build_warpers(GenerationConfig(do_sample=True, temperature=1.0))
     prefix = torch.tensor([3, 4, 5, 3, 4])  # repeats: hybrid drafting finds lookup branches (5, 3 after 4, ...)
     vocab = model.config.vocab_size
@@ -154,11 +154,13 @@ def _generator_pvalue(monkeypatch, broken: bool, n=1500, draft="heads"):
     return chi2_pvalue(counts, exact.flatten())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["heads", "hybrid"])
 def test_generator_distribution_matches_plain_sampling(monkeypatch, draft):
     assert _generator_pvalue(monkeypatch, broken=False, draft=draft) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["heads", "hybrid"])
 def test_generator_distribution_test_has_teeth(monkeypatch, draft):
     assert _generator_pvalue(monkeypatch, broken=True, draft=draft) < 1e-3
@@ -209,7 +211,7 @@ def test_typical_acceptance_accepts_what_the_backbone_is_sure_of(model):
     model.generation_config.eos_token_id = None
     reference = greedy_reference(model, input_ids, 40)
     oracle = OracleHeads(model, reference, p_top=1.0, p_wrong=0.0)
-    out = SpeculativeGenerator(model, oracle, draft="heads", adaptive_budget=False).generate(  # whole trees
+    out = SpeculativeGenerator(model, oracle, draft="heads").generate(  # whole trees
         input_ids, 30, do_sample=True, temperature=1e-3, seed=0, typical=TypicalAcceptance())
     assert out.sequences.tolist() == reference[:, :33].tolist() and out.stats.mean_tau > 2.5
     out = SpeculativeGenerator(model, random_heads(model), draft="heads").generate(

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import head_state, make_cfg
 
-from tokenmaxx.heads import DraftHeads, DynamicTreeConfig, Eagle3Heads, MTPHeads, load_backbone
+from tokenmaxx.heads import DynamicTreeConfig, Eagle3Heads, MTPHeads, load_backbone, load_heads
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.checkpoints import CheckpointMismatchError, check_identity
@@ -25,6 +25,9 @@ from tokenmaxx.training.ds_setup import resolve_ds_config
 from tokenmaxx.training.metrics import MetricsLogger
 from tokenmaxx.training.train_config import TrainConfig
 from tokenmaxx.training.trainer import train
+
+# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +44,7 @@ def test_train_export_and_speculative_generation(tmp_path, backbone_dir, data_di
     assert result.metrics["tree_tau_empirical"] > 1.2, result.metrics  # heads learned the cycles of a random model
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 25))
-    heads = DraftHeads.from_pretrained(result.export_dir)
+    heads = load_heads(result.export_dir)
     extra = heads.config.extra
     assert extra["training"]["loss"] == "ce+kl" and extra["data"]["provenance"]["sampling"] == {"greedy": True}
     assert extra["metrics"] == result.metrics and extra["wall_seconds"] > 0
@@ -73,8 +76,8 @@ def test_resume_is_bit_identical_and_checks_identity(tmp_path, backbone_dir, dat
     a, b = head_state(straight.export_dir), head_state(resumed.export_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the exported record counts the time of both processes, not only the last one's
-    once = DraftHeads.from_pretrained(straight.export_dir).config.extra
-    twice = DraftHeads.from_pretrained(resumed.export_dir).config.extra
+    once = load_heads(straight.export_dir).config.extra
+    twice = load_heads(resumed.export_dir).config.extra
     assert once["processes"] == 1 and once["wall_seconds"] == pytest.approx(straight.wall_seconds, abs=0.5)
     assert twice["processes"] == 2 and twice["wall_seconds"] > resumed.wall_seconds and "time_note" not in twice
     with pytest.raises(CheckpointMismatchError, match=r"another head shape \(num_heads: checkpoint 4, this run 3"):
@@ -90,7 +93,7 @@ def test_resume_from_a_checkpoint_without_time_records_says_so(tmp_path, backbon
     train(make_cfg(data_dir, tmp_path / "b"), model=model, stop_after=3)
     monkeypatch.setattr(checkpoints, "save", save)
     resumed = train(make_cfg(data_dir, tmp_path / "b", resume=True), model=model)
-    extra = DraftHeads.from_pretrained(resumed.export_dir).config.extra
+    extra = load_heads(resumed.export_dir).config.extra
     assert extra["processes"] == 1 and "later processes only" in extra["time_note"]
 
 
@@ -147,8 +150,8 @@ def test_train_mtp_heads_resume_and_export(tmp_path, backbone_dir, data_dir):
     assert first.losses + resumed.losses == straight.losses
     a, b = head_state(straight.export_dir), head_state(resumed.export_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert DraftHeads.from_pretrained(straight.export_dir).config.dynamic_tree is None  # unset: library default
-    heads = DraftHeads.from_pretrained(resumed.export_dir)
+    assert load_heads(straight.export_dir).config.dynamic_tree is None  # unset: library default
+    heads = load_heads(resumed.export_dir)
     assert heads.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3)
     assert heads.drafter(model).config == DynamicTreeConfig(nodes=6, topk=3)  # what generation drafts with
     assert isinstance(heads, MTPHeads) and heads.config.num_heads == 4 and heads.config.num_layers == 1
@@ -173,7 +176,7 @@ def test_train_eagle3_heads_from_three_cached_layers(tmp_path, backbone_dir, dat
     assert sum(result.losses[-3:]) < 0.9 * sum(result.losses[:3]), result.losses
     meta = json.loads((cache / "meta.json").read_text())
     assert meta["feature_layers"] == [0, 1, 2] and meta["hidden_size"] == 3 * model.config.hidden_size
-    heads = DraftHeads.from_pretrained(result.export_dir)
+    heads = load_heads(result.export_dir)
     assert isinstance(heads, Eagle3Heads) and heads.feature_layers == (0, 1, 2)
     prompt = torch.tensor([[5, 9, 13, 17, 21]])
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False)
@@ -233,7 +236,7 @@ def test_held_out_metrics_per_category(tmp_path, backbone_dir, data_dir):
         {c: sum(data.examples[r].category == c for r in data.eval) for c in ("short", "long")}
     assert sum(m["eval_positions"] for m in by_category.values()) == result.metrics["eval_positions"]
     assert by_category["short"]["head_top1"] != by_category["long"]["head_top1"]  # measured apart, not copied
-    assert DraftHeads.from_pretrained(result.export_dir).config.extra["metrics"]["by_category"] == by_category
+    assert load_heads(result.export_dir).config.extra["metrics"]["by_category"] == by_category
     untagged = train(make_cfg(data_dir, tmp_path / "plain", max_steps=1, warmup=1, save_every=0), model=model)
     assert "by_category" not in untagged.metrics
 
@@ -260,7 +263,7 @@ def test_evaluating_exported_heads_reproduces_the_runs_held_out_metrics(tmp_path
     run = dict(kind="eagle3", feature_layers=[0, 1, 2], draft_vocab_size=40, loss_vocab="draft", eval_fraction=0.3,
                max_steps=4, save_every=0)
     result = train(make_cfg(tagged, tmp_path / "run", **run), model=model)
-    heads = DraftHeads.from_pretrained(result.export_dir)
+    heads = load_heads(result.export_dir)
     split = dict(seq_len=48, eval_fraction=0.3, eval_max_examples=256, seed=0)
     found = evaluate_heads(heads, model, tagged, **split)
     assert found["vocab"] == "draft" and found["split"] == "held_out"
@@ -310,7 +313,7 @@ def test_train_over_the_draft_vocabulary(tmp_path, backbone_dir, data_dir):
     mtp = dict(kind="mtp", feature_cache=str(tmp_path / "features"), draft_vocab_size=24, loss_vocab="draft")
     straight = train(make_cfg(data_dir, tmp_path / "a", **mtp), model=model)
     assert sum(straight.losses[-3:]) < 0.9 * sum(straight.losses[:3]), straight.losses
-    heads = DraftHeads.from_pretrained(straight.export_dir)
+    heads = load_heads(straight.export_dir)
     record = heads.config.extra["draft_vocab"]
     assert record["loss"] is True and record["size"] == heads.draft_vocab.numel() == 24
     first = train(make_cfg(data_dir, tmp_path / "b", **mtp), model=model, stop_after=3)
@@ -416,7 +419,7 @@ def test_torchrun_two_processes_agree(tmp_path, backbone_dir, data_dir):
         output, _ = proc.communicate()
         pytest.fail(f"torchrun timed out:\n{output[-3000:]}")
     assert proc.returncode == 0, output[-5000:]
-    extra = DraftHeads.from_pretrained(tmp_path / "run" / "heads").config.extra
+    extra = load_heads(tmp_path / "run" / "heads").config.extra
     digests = extra["rank_weight_digests"]
     assert extra["world_size"] == 2 and len(digests) == 2 and digests[0] == digests[1]
     assert len(list((tmp_path / "features").glob("shard-*.safetensors"))) == 1  # 40 rows, one 256-row shard

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 from helpers import make_cfg
 
-from tokenmaxx.heads import DraftHeads, DynamicTreeConfig, load_backbone
-from tokenmaxx.heads.card import render_model_card
+from tokenmaxx.heads import DynamicTreeConfig, load_backbone, load_heads
+from tokenmaxx.heads.io.card import render_model_card
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.checkpoints import CheckpointMismatchError
 from tokenmaxx.training.trainer import train
+
+# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
+pytestmark = pytest.mark.slow
 
 
 def _two_parts(data_dir: Path, out: Path) -> tuple[Path, Path]:
@@ -53,7 +56,7 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     model, _ = load_backbone(str(backbone_dir))
     run = dict(kind="mtp", eval_fraction=0.5, max_steps=6, save_every=0)
     first = train(make_cfg(data_a, tmp_path / "first", dynamic_tree="dynamic:nodes=6,topk=3", **run), model=model)
-    first_heads = DraftHeads.from_pretrained(first.export_dir)
+    first_heads = load_heads(first.export_dir)
     assert trained_parts(first_heads.config) == ["first" * 8]
 
     split = dict(seq_len=48, eval_fraction=0.5, eval_max_examples=256, seed=0)
@@ -68,7 +71,7 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     warm = train(make_cfg(data_ab, tmp_path / "warm", init_heads=str(first.export_dir), **run), model=model)
     fresh = train(make_cfg(data_ab, tmp_path / "fresh", **run), model=model)
     assert warm.losses[0] < 0.9 * fresh.losses[0], (warm.losses, fresh.losses)
-    warm_heads = DraftHeads.from_pretrained(warm.export_dir)
+    warm_heads = load_heads(warm.export_dir)
     extra = warm_heads.config.extra
     assert extra["init_heads"]["source"] == str(first.export_dir) and extra["init_heads"]["seen_parts"] == ["first" * 8]
     assert extra["seen_parts"] == sorted(["first" * 8, "second" * 8]) and extra["data"]["eval_examples"] == 10
@@ -99,7 +102,7 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
         train(make_cfg(data_ab, tmp_path / "stopped", resume=True, **resumable), model=model)
     resumed = train(make_cfg(data_ab, tmp_path / "stopped", resume=True, init_heads=str(first.export_dir),
                              dynamic_tree="default", **resumable), model=model)
-    assert resumed.steps == 4 and DraftHeads.from_pretrained(resumed.export_dir).config.dynamic_tree is None
+    assert resumed.steps == 4 and load_heads(resumed.export_dir).config.dynamic_tree is None
     with pytest.raises(ValueError, match=r"0 row\(s\) of .*ab come from parts the initial heads were not trained on"):
         train(make_cfg(data_ab, tmp_path / "again", init_heads=str(warm.export_dir), **run), model=model)
     with pytest.raises(ValueError, match=r"do not fit this run \(num_heads: theirs 4, this run 3\): give the flags"):
@@ -117,12 +120,12 @@ def test_medusa_warm_start_keeps_the_static_tree_of_the_heads_it_started_from(tm
     model, _ = load_backbone(str(backbone_dir))
     run = dict(kind="medusa", num_heads=3, eval_fraction=0.5, max_steps=2, save_every=0)
     first = train(make_cfg(data_a, tmp_path / "first", **run), model=model)
-    assert DraftHeads.from_pretrained(first.export_dir).config.tree is None  # the library's default
+    assert load_heads(first.export_dir).config.tree is None  # the library's default
     tuned = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
     config_path = first.export_dir / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "tree": tuned}))
 
     warm = train(make_cfg(data_ab, tmp_path / "warm", init_heads=str(first.export_dir), **run), model=model)
-    assert DraftHeads.from_pretrained(warm.export_dir).config.tree == tuned
+    assert load_heads(warm.export_dir).config.tree == tuned
     assert warm.metrics["tree_nodes"] == len(tuned) + 1  # held-out tau is the tuned tree's (root + 5 paths)

@@ -26,8 +26,8 @@ from .data_folder import PROVENANCE_NAME
 log = logging.getLogger(__name__)
 EVAL_SPLITS = ("validation", "test")
 # Batches are padded to a multiple of this many positions. Every new matrix shape costs the CPU's GEMM library a
-# kernel build (~10 ms for the shapes of a step here, 25-50 of them per batch); with widths in steps of 32 the few
-# shapes recur and come from its cache, for ~16 padded positions per row.
+# kernel build, and a batch meets dozens of shapes (docs/benchmarks.md); with widths in steps of 32 the few shapes
+# recur and come from its cache, for about 16 padded positions per row (half a step, on average).
 WIDTH_MULTIPLE = 32
 
 
@@ -238,9 +238,9 @@ def epoch_micro_batches(rows: list[int], epoch: int, seed: int, rank: int, world
 
 def group_by_length(micro_batches: list[list[int]], lengths: dict[int, int]) -> list[list[int]]:
     """The same rows and micro-batch sizes, regrouped so that each micro-batch holds rows of similar window length
-    (``lengths``: row -> window length): a batch is padded to its longest row, so mixed lengths waste compute (29%
-    of the positions of 8-row batches of the self-distilled mix, 13% once a step's 32 rows are grouped). Shortest
-    first; ties keep their order, so the result is a pure function of the input."""
+    (``lengths``: row -> window length): a batch is padded to its longest row, so mixed lengths waste compute, and
+    grouping a step's rows cuts that padding by more than half on the self-distilled mix (docs/benchmarks.md).
+    Shortest first; ties keep their order, so the result is a pure function of the input."""
     ordered = sorted((r for batch in micro_batches for r in batch), key=lambda r: lengths[r])
     grouped, at = [], 0
     for batch in micro_batches:

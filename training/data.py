@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, backbone_identity, load_backbone
-from tokenmaxx.heads.backbones import DEVICE_HELP, DTYPES as BACKBONE_DTYPES, resolve_device
+from tokenmaxx.heads.io.backbones import DEVICE_HELP, DTYPES as BACKBONE_DTYPES, resolve_device
 
 from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, partial_dir, prepare_output, read_batch, remove, \
     write_batch, write_shard
@@ -76,8 +76,8 @@ class DataConfig:
         "help": "backbone that answers: registered alias, local Hugging Face folder or Hub id"})
     dtype: str = field(default="auto", metadata={
         "help": "backbone dtype: auto (bfloat16 where it is native: a GPU, a CPU with AVX-512 BF16 / AMX; else "
-                "float32, which answered ~2.5x faster than emulated bf16 on an AVX2-only CPU), float32, bfloat16 or "
-                "float16; the data records the dtype that ran"})
+                "float32, which answers faster than emulated bf16 on an AVX2-only CPU; docs/benchmarks.md), float32, "
+                "bfloat16 or float16; the data records the dtype that ran"})
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     max_new_tokens: int = field(default=256, metadata={"help": "longest answer, in tokens"})
     max_prompt_tokens: int = field(default=512, metadata={

@@ -21,12 +21,12 @@ explicitly that disagrees with a concrete JSON value raises ``DeepSpeedConfigErr
 Compiled optimizers (DeepSpeed's FusedAdam / CPUAdam) are refused: the optimizer must be Adam/AdamW with
 ``"torch_adam": true`` (torch.optim.AdamW), and ZeRO offload, which needs CPUAdam, is refused too.
 
-The first ``deepspeed.init_distributed`` JIT-compiles the ``deepspeed_shm_comm`` op (~1 min on 2 cores) into the torch
-extensions folder ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), which persists per user: later runs
-load it in about a second. ``prebuild_shm_comm()`` (``python -m tokenmaxx.training.ds_setup --prebuild``) does it
-ahead of time, e.g. once in CI before the tests. torch drives that build with the first ``ninja`` on PATH: the venv's
-(1.13) and the system's (1.11) keep incompatible logs, so alternating them (an activated venv in one run, a bare
-.venv/bin/python in the next) recompiles the op each time. Use one PATH for the prebuild and the runs.
+The first ``deepspeed.init_distributed`` JIT-compiles the ``deepspeed_shm_comm`` op (a slow build on a small CPU;
+docs/benchmarks.md) into the torch extensions folder ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), which
+persists per user: later runs load the built op. ``prebuild_shm_comm()`` (``python -m tokenmaxx.training.ds_setup
+--prebuild``) does it ahead of time, e.g. once in CI before the tests. torch drives that build with the first ``ninja``
+on PATH: the venv's (1.13) and the system's (1.11) keep incompatible logs, so alternating them (an activated venv in
+one run, a bare .venv/bin/python in the next) recompiles the op each time. Use one PATH for the prebuild and the runs.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def training_device(spec: str) -> "torch.device":
     cuda:LOCAL_RANK (a device index given explicitly is kept)."""
     import torch
 
-    from tokenmaxx.heads.backbones import resolve_device
+    from tokenmaxx.heads.io.backbones import resolve_device
 
     device = resolve_device(spec)
     if device.type == "cuda" and device.index is None:
@@ -241,7 +241,7 @@ def resolve_ds_config(cfg: TrainConfig, world: int, num_train: int) -> tuple[Tra
         raise DeepSpeedConfigError(f"{source}: zero_optimization.stage must be 0, 1 or 2, got {resolved['zero_stage']}")
     if resolved["warmup"] < 1:
         raise DeepSpeedConfigError(f"warm-up must be >= 1 step (WarmupCosineLR), got {resolved['warmup']}")
-    # --epochs is now spelled as max_steps (the original request stays in run_config.json's "requested")
+    # --epochs becomes max_steps here (the original request stays in run_config.json's "requested")
     return dataclasses.replace(cfg, **resolved, epochs=None), ds
 
 

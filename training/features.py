@@ -1,4 +1,4 @@
-"""The frozen backbone's last hidden states: computed per batch, or cached on disk once for all epochs.
+"""The frozen backbone's hidden states that the heads read: computed per batch, or cached on disk once for all epochs.
 
 What the heads read (``heads.modeling.backbone_features``): ``model(...).hidden_states[-1]`` (in transformers 5 the
 final-normed state, so ``lm_head(hidden_states[-1]) == logits``), or for heads with ``feature_layers`` (EAGLE-3) the
@@ -12,10 +12,11 @@ Cache layout (``--feature_cache DIR``)::
 
 Rows are grouped into shards of ``shard_size`` consecutive dataset rows. Each shard is written under a temp name and
 renamed, so a killed build leaves only complete shards and a rerun builds just the missing ones (resumable); with
-several processes, rank r builds shards r, r+world, ... A cache made with more heads (a longer lookback) serves a run
-with fewer, and a cache that stores more layers (``store_layers``) serves every run whose heads read a subset of them
-(index ``num_hidden_layers`` is the final-normed state that MTP and Medusa heads read): one backbone pass over the data
-then serves an ablation of kinds and feature layers. Anything else that differs is an error naming the field.
+several processes, rank r builds shards r, r+world, ... A cache made with more heads or depths (a longer lookback)
+serves a run with fewer, and a cache that stores more layers (``store_layers``) serves every run whose heads read a
+subset of them (index ``num_hidden_layers`` is the final-normed state that MTP and Medusa heads read; EAGLE-3 heads
+read three earlier ones): one backbone pass over the data then serves an ablation of kinds and feature layers.
+Anything else that differs is an error naming the field.
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 # rows projected at once on a CPU: [512, V] fp32 buffers (16 MB at the 8,192-token draft vocabulary, 100 MB at all
-# 49,152). Fewer rows make the GEMMs small: the fused loss and input gradient of 8,192 rows over 8,192 tokens took
-# 1.60 s in chunks of 128 rows, 1.39 in 256, 1.16 in 512, 1.27 in 1,024 (over 49,152 tokens: 11.0, 11.1, 9.2, 8.8 s);
-# fp32, 2-core AVX2 EPYC, session 30
+# 49,152). Fewer rows make the GEMMs small and slow; more make the buffers large: 512 was the fastest chunk at the
+# draft vocabulary in a timing of 128 to 1,024 rows (docs/benchmarks.md, "Figures moved from the code")
 CHUNK_ROWS = 512
 DEVICE_CHUNK_ROWS = 2048  # on an accelerator: [2048, 49152] fp32 = 400 MB, few enough kernel launches per step
 
@@ -46,7 +45,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             j = min(i + chunk, num_rows)
             rows_in = states[i:j]
             if device.type == "cpu" and j - i < chunk:  # a tail of a new length would cost a GEMM kernel build
-                rows_in = F.pad(rows_in, (0, 0, 0, chunk - (j - i)))  # (~10 ms, more than the chunk): same shape
+                rows_in = F.pad(rows_in, (0, 0, 0, chunk - (j - i)))  # (dearer than the padded rows): same shape
             z = (rows_in @ weight.T)[: j - i].float()  # [c, V]
             target = targets[i:j, None]  # [c, 1]
             hit[i:j] = (z.gather(1, target) >= z.amax(-1, keepdim=True)).squeeze(1)  # target is a top-1 token

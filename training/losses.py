@@ -1,14 +1,15 @@
 """The heads' training objective: shifted self-distilled targets, per-head CE and/or KL, weights decaying with k.
 
 Head offset rule: head k (k = 1..K) reading the backbone's hidden state at position t targets the token at t+k+1
-(the backbone itself, reading t, predicts t+1). ``shifted_targets`` is the one place the rule is applied; MTP depth d
-at anchor t follows it as head k = d.
+(the backbone itself, reading t, predicts t+1). ``shifted_targets`` is the one place the rule is applied; the depth d
+of a sequential kind (EAGLE-3, MTP) at anchor t follows it as head k = d.
 
 A sequence is prompt + answer (the backbone's own answer); only targets inside the answer are trained. With
 ``loss="kl"`` head k at t is pulled towards the backbone's own next-token distribution at position t+k (which is the
 backbone's prediction of the same token t+k+1), computed from the cached hidden state through the frozen lm_head.
 
-Letters: B batch, T time, K heads, V vocabulary, H hidden size, n selected positions.
+Letters: B batch, T time, K heads (the draft depth of the sequential kinds), V vocabulary, H hidden size, n selected
+positions.
 """
 
 from __future__ import annotations

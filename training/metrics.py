@@ -105,8 +105,8 @@ def _round(values: torch.Tensor) -> list[float]:
 def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, micro_batch_size: int, rank: int,
              world: int, all_reduce=None, embed=None, rows: list[int] | None = None) -> dict:
     """Held-out loss and accuracy metrics of ``objective.heads``; every rank evaluates its share, then all_reduce.
-    ``embed``: the backbone's input embedding, for heads that read tokens (MTP). ``rows``: these held-out rows only
-    (default: all of ``data.eval``)."""
+    ``embed``: the backbone's input embedding, for heads that read tokens (the sequential kinds, EAGLE-3 and MTP).
+    ``rows``: these held-out rows only (default: all of ``data.eval``)."""
     num_heads = objective.heads.config.num_heads
     device = lm_head.weight.device
     counts = RankCounts(num_heads, tree, device)

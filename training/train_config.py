@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmaxx.heads import DEFAULT_HEAD_KIND, HEAD_KINDS
-from tokenmaxx.heads.backbones import DEVICE_HELP, resolve_device
+from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.heads.sequential import SequentialHeads
 
@@ -47,13 +47,13 @@ class TrainConfig:
         "help": "fraction of examples held out for metrics (used when the data has no validation/test split)"})
     eval_max_examples: int = field(default=256, metadata={"help": "cap on held-out examples"})
     feature_cache: str | None = field(default=None, metadata={
-        "help": "folder for the frozen backbone's cached last hidden states (built on first use, resumable); "
-                "omit to run the backbone on every micro-batch"})
+        "help": "folder for the frozen backbone's cached hidden states, those the heads read (built on first use, "
+                "resumable); omit to run the backbone on every micro-batch"})
     feature_cache_layers: list[int] | None = field(default=None, metadata={
         "help": "the backbone hidden states a new --feature_cache stores (indices; L = the backbone's layer count is "
-                "the final-normed state mtp/medusa heads read); a superset of what the heads read lets runs of other "
-                "kinds or --feature_layers share one cache (one backbone pass for an ablation); default: exactly "
-                "what the heads read"})
+                "the final-normed state medusa and mtp heads read; eagle3 reads three others); a superset of what the "
+                "heads read lets runs of other kinds or --feature_layers share one cache (one backbone pass for an "
+                "ablation); default: exactly what the heads read"})
     seed: int = field(default=0, metadata={"help": "seed of the train/eval split and the per-epoch data order"})
     group_by_length: bool = field(default=True, metadata={
         "help": "regroup each optimizer step's sequences into micro-batches of similar length (less padding; the "
@@ -70,17 +70,21 @@ class TrainConfig:
         "help": _ds_help(f"backbone and head compute dtype, one of {DTYPES}; bfloat16 is DeepSpeed bf16 with fp32 "
                          "master weights (JSON bf16.enabled)", "dtype")})
     kind: str = field(default=DEFAULT_HEAD_KIND, metadata={
-        "help": f"head kind, one of {sorted(HEAD_KINDS)}: 'medusa' = K independent heads on the hidden state, "
-                "'mtp' = one decoder block unrolled K times, each guess conditioned on the last"})
-    num_heads: int = field(default=4, metadata={"help": "K: head k predicts the token k+1 positions ahead "
-                                                        "(mtp: the depths the module is unrolled to)"})
-    num_layers: int = field(default=1, metadata={"help": "residual blocks per head (mtp: decoder layers, >= 1)"})
+        "help": f"head kind, one of {sorted(HEAD_KINDS)}: 'eagle3' = one Llama decoder layer over a fusion of "
+                "three backbone layers' states, unrolled K times (the shipped default heads' kind), 'mtp' = one "
+                "decoder block of the backbone's family on its last hidden state, unrolled K times, each guess "
+                "conditioned on the last, 'medusa' = K independent heads on the last hidden state"})
+    num_heads: int = field(default=4, metadata={
+        "help": "number of heads (medusa) or draft depth (sequential kinds: eagle3, mtp): head k, or depth d = k, "
+                "predicts the token k+1 positions ahead"})
+    num_layers: int = field(default=1, metadata={
+        "help": "residual blocks per head (medusa) or decoder layers (mtp, >= 1; eagle3: always 1)"})
     feature_layers: list[int] | None = field(default=None, metadata={
         "help": "kind eagle3: the backbone hidden states the draft fuses (indices; i = the input of layer i); default "
                 "EAGLE-3's (2, L//2, L-3)"})
     share_lm_head: bool = field(default=True, metadata={
         "help": "project with the backbone's frozen lm_head (small checkpoints) instead of a trained copy per head "
-                "(mtp: always)"})
+                "(eagle3, mtp: always)"})
 
     init_heads: str | None = field(default=None, metadata={
         "help": "start from these trained heads (folder or Hub id) instead of fresh ones: continue training on more "

@@ -7,7 +7,7 @@
 2. data          self-distilled examples, train / held-out split (``batches.load_data``)
 3. config        DeepSpeed JSON merged with the flags (``ds_setup.resolve_ds_config``)
 4. backbone      frozen, eval mode; never handed to DeepSpeed (its weights stay bit-identical)
-5. heads         ``HEAD_KINDS[cfg.kind].for_backbone`` (medusa, mtp); the objective module wraps them
+5. heads         ``HEAD_KINDS[cfg.kind].for_backbone`` (eagle3, mtp, medusa); the objective module wraps them
                  (``losses.HeadsObjective``); the checkpoint folder is checked against the run's identity before any
                  expensive work
 6. features      cached hidden states on disk (``--feature_cache``) or the backbone per batch
@@ -33,11 +33,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tokenmaxx.heads import (HEAD_KINDS, DraftHeads, DynamicTreeConfig, HeadsConfig, backbone_identity,
-                             load_backbone)
+from tokenmaxx.heads import HEAD_KINDS, DynamicTreeConfig, HeadsConfig, backbone_identity, load_backbone, load_heads
+from tokenmaxx.heads.machine import cpu_isa, cpu_name, device_name
 from tokenmaxx.heads.tree import parse_tree
-from tokenmaxx.inference.calibration_store import cpu_isa, cpu_name, device_name
-from tokenmaxx.inference.timing import clock
+from tokenmaxx.heads.machine import clock
 
 from . import checkpoints
 from .batches import SelfDistilledData, collate, load_data, part_digests, step_micro_batches, trained_parts
@@ -148,7 +147,7 @@ def init_heads_for(cfg: TrainConfig):
     projection and the feature layers must be theirs (one error naming each difference); None without the flag."""
     if not cfg.init_heads:
         return None
-    init = DraftHeads.from_pretrained(cfg.init_heads)
+    init = load_heads(cfg.init_heads)
     wanted = {"kind": cfg.kind, "num_heads": cfg.num_heads, "num_layers": cfg.num_layers,
               "share_lm_head": cfg.share_lm_head}
     if cfg.feature_layers:

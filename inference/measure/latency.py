@@ -1,11 +1,12 @@
 """This machine's verify latency: seconds of one backbone forward of n tree nodes over a cache of P tokens; and the
 heads' proposing time: seconds of one draft.
 
-``measure_latency`` times the verify, ``fit_latency`` smooths it into a curve that never decreases in n,
-``VerifyLatency`` holds curves at a few cache lengths and ``cached_latency`` measures them once per backbone and
-machine. ``measure_propose`` times the heads' drafter and ``cached_propose_cost`` measures it once per heads, tree
-settings and machine. The hybrid drafter sizes its trees from both and lets heads that do not earn their proposing
-time sit rounds out (``hybrid.py``); ``tree="auto"`` (``autotune.py``) chooses the heads' trees from the latency.
+``measure_latency`` times the verify, ``fit_latency`` smooths it into a curve that never decreases in n, and
+``cached_latency`` measures curves at a few cache lengths (a ``costs.VerifyLatency``) once per backbone and machine.
+``measure_propose`` times the heads' drafter and ``cached_propose_cost`` measures it once per heads, tree settings and
+machine. Both end up in a ``costs.Costs`` (``measure_costs``): the budget drafter sizes its trees from them and lets
+heads that do not earn their proposing time sit rounds out; ``tree="auto"`` (``autotune.py``) chooses the heads'
+trees from the latency.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Iterable, Sequence
 
@@ -23,25 +23,13 @@ from tqdm.auto import tqdm
 from tokenmaxx.heads import Outcome, Prefill, Tree
 from tokenmaxx.heads.modeling import backbone_features
 
-from .calibration_store import (CALIBRATION_VERSION, backbone_key, cache_path, calibration_key, machine_fingerprint,
-                                write_record)
-from .small_rows import Plan, VerifyTimer, as_plan, plan_record
-from .timing import clock
+from ..costs import VerifyLatency
+from ..forward import Plan, as_plan, plan_record
+from tokenmaxx.heads.machine import clock
+from .small_rows import VerifyTimer
+from .store import CALIBRATION_VERSION, backbone_key, cache_path, calibration_key, machine_fingerprint, write_record
 
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
-
-
-def interpolate(latency: dict[int, float], n: int) -> float:
-    """Verify latency of n tokens, linearly interpolated between measured sizes (extrapolated past the ends)."""
-    sizes = sorted(latency)
-    if n in latency:
-        return latency[n]
-    lo = max([s for s in sizes if s < n], default=sizes[0])
-    hi = min([s for s in sizes if s > n], default=sizes[-1])
-    if lo == hi:  # outside the measured range: extend the nearest segment
-        a, b = (sizes[-2], sizes[-1]) if n > sizes[-1] else (sizes[0], sizes[1])
-        lo, hi = a, b
-    return latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo)
 
 
 @torch.inference_mode()
@@ -51,7 +39,7 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
     ("min" or "median") over ``repeats`` rounds that each go through every size (a slow spell of a shared machine then
     hits all sizes alike). Raw and still noisy: ``fit_latency`` turns it into the table the search uses. Token ids
     are drawn on the CPU (the same on every device) and moved to the backbone's device before the clock starts;
-    the clock waits for the device (``timing.clock``). ``small_rows``: the plan of the verifies (``small_rows``): each
+    the clock waits for the device (``heads.machine.clock``). ``small_rows``: the plan of the verifies (``small_rows``): each
     forward computes the linear layers as a verify of its size does."""
     if statistic not in ("min", "median"):
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
@@ -70,7 +58,7 @@ def fit_latency(measured: dict[int, float], exact: Collection[int] = ()) -> dict
     a cheaper unmasked path for a single query, markedly so over a long cache), and from two tokens on a flat-then-
     linear ``a + b * max(0, n - knee)`` with b >= 0, fitted by least squares (the knee is the measured size that fits
     best). Forward cost is flat while the hardware has idle lanes and then grows with the tokens; a raw table instead
-    carries the machine's noise (on a shared 2-core CPU one run measured 12 tokens faster than 1), which would tell
+    carries the machine's noise (a shared CPU can time a larger forward faster than a smaller one), which would tell
     the tree search that extra nodes are free. Returns the curve at the measured sizes.
 
     ``exact``: sizes whose forwards take another, faster path (the verifies' small-row plan, ``small_rows``): they are
@@ -118,31 +106,11 @@ def _fit_curve(measured: dict[int, float], at: Iterable[int]) -> dict[int, float
     return dict(sorted(out.items()))
 
 
-@dataclass
-class VerifyLatency:
-    """Verify latency per node count at a few cache lengths: attention over the cache makes each extra node dearer in
-    a long context (SmolLM2 bf16 on 2 cores: ~0.8 ms a node over 256 cached tokens, ~1.5 ms over 1,500)."""
-
-    tables: dict[int, dict[int, float]]  # cached tokens -> {nodes: seconds} (fitted: never decreasing in nodes)
-
-    def at(self, prefix_len: int) -> dict[int, float]:
-        """The table for a cache of ``prefix_len`` tokens: linear in the cache length between the measured lengths,
-        extended along the last segment past the longest, and the shortest's table below it."""
-        lengths = sorted(self.tables)
-        if prefix_len <= lengths[0] or len(lengths) == 1:
-            return self.tables[lengths[0]]
-        hi = next((length for length in lengths if length >= prefix_len), lengths[-1])
-        lo = lengths[lengths.index(hi) - 1]
-        w = (prefix_len - lo) / (hi - lo)
-        # a blend of never-decreasing tables never decreases; a table with the dips of a small-row plan keeps them
-        return {n: (1 - w) * self.tables[lo][n] + w * self.tables[hi][n] for n in sorted(self.tables[lo])}
-
-
 def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
                    prefix_lens: Sequence[int] = (256, 1024), small_rows: Plan = 0) -> VerifyLatency:
     """The fitted verify latency (``fit_latency`` of the median ``measure_latency``) of this backbone on this machine
-    at a few cache lengths, measured once and cached (~20 s on a 2-core CPU); ``small_rows``: as the verifies
-    compute their linear layers (``small_rows.transposed_linears``), part of the cache key."""
+    at a few cache lengths, measured once and cached; ``small_rows``: as the verifies compute their linear layers
+    (``forward.transposed_linears``), part of the cache key."""
     machine = machine_fingerprint(model)
     key = backbone_key(model, machine, "latency", list(prefix_lens), CALIBRATION_VERSION, "median",
                        plan_record(small_rows))
@@ -152,9 +120,8 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
         return VerifyLatency({int(p): {int(n): s for n, s in table.items()} for p, table in record["tables"].items()})
     context = getattr(model.config, "max_position_embeddings", None) or max(prefix_lens) + max(LATENCY_SIZES)
     lengths = sorted({max(1, min(p, context - max(LATENCY_SIZES))) for p in prefix_lens})
-    # the median, not the best case: in the decode loop a multi-token forward runs ~15 ms over a single token's at the
-    # median (SmolLM2 bf16, 2 shared cores) while the minima differ by ~4 ms; sized on minima, hybrid trees came out
-    # too big (held-out summarization 1.53x with minima vs 1.76x with medians, one interleaved run)
+    # the median, not the best case: in the decode loop a multi-token forward costs what the medians say, not the
+    # minima; sized on minima, hybrid trees came out too big (docs/benchmarks.md)
     planned = set(as_plan(small_rows))  # sizes the plan verifies another way: measured each, kept as measured
     sizes = sorted(set(LATENCY_SIZES) | planned)
     measured = {p: measure_latency(model, sizes=sizes, prefix_len=p, statistic="median", small_rows=small_rows)
@@ -168,7 +135,7 @@ def drafts_along(drafter, seq: torch.Tensor, hidden: torch.Tensor, start: int):
     """Walk ``drafter`` along a backbone continuation: seq [T] tokens (the prompt is seq[:start]) and hidden [T, F]
     the states it reads. At each position t from ``start`` on, the root is seq[t]; yields (t, the draft below it,
     seconds its proposal took), then tells the drafter that only the backbone's next token seq[t + 1] was accepted.
-    The clock waits for the device (``timing.clock``)."""
+    The clock waits for the device (``heads.machine.clock``)."""
     device = hidden.device
     drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))
     for t in range(start, seq.numel() - 1):
@@ -212,8 +179,7 @@ def settings_key(tree) -> object:
 def cached_propose_cost(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None,
                         refresh: bool = False) -> float:
     """Seconds the heads' drafter (``heads.drafter(model, tree, draft_vocab)``) takes to propose one tree on this
-    machine (``measure_propose``), measured once per heads, tree settings and machine and cached (~1-3 s on a 2-core
-    CPU). A cached number, not a clock read during generation: a seeded generation sized by it picks the same trees,
+    machine (``measure_propose``), measured once per heads, tree settings and machine and cached. A cached number, not a clock read during generation: a seeded generation sized by it picks the same trees,
     hence the same samples, every time."""
     machine = machine_fingerprint(model)
     key = calibration_key(model, heads, {**machine, "propose": settings_key(tree), "draft_vocab": bool(draft_vocab)})

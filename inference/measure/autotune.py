@@ -2,13 +2,14 @@
 
     expected tokens/s = E[tau](settings) / (verify latency(nodes) + overhead(settings))
 
-Static trees (Medusa heads): E[tau] from the ranks of the backbone's own greedy continuation in each head's top-k on
-generic calibration prompts (``calibrate_ranks``), the tree from ``tree_search.choose_tree``. Dynamic trees (MTP
-heads): E[tau] of each node budget from drafting along those continuations (``calibrate_dynamic``). Latency from
-``latency.py``, the loop's own overhead from short generations (``measure_overheads``); records cached by
-``calibration_store``. ``resolve_auto`` picks the calibration that fits the settings type of the heads' kind.
+Dynamic trees (EAGLE-3 and MTP heads, the sequential kinds): E[tau] of each node budget from drafting along the
+backbone's own greedy continuations of generic calibration prompts (``calibrate_dynamic``). Static trees (Medusa
+heads): E[tau] from the ranks of those continuations in each head's top-k (``calibrate_ranks``), the tree from
+``tree_search.choose_tree``. Latency from ``latency.py``, the loop's own overhead from short generations
+(``measure_overheads``); records cached by ``store``. ``resolve_auto`` picks the calibration that fits the settings
+type of the heads' kind.
 
-Calibrating takes 2-3 minutes on a 2-core CPU: it shows progress bars on stderr, then one line says what was chosen
+Calibrating takes minutes on a CPU: it shows progress bars on stderr, then one line says what was chosen
 and why (``describe_choice``: the expected tokens/s against a 1-node tree's, i.e. no drafting); a cached choice says
 which file it was read from. ``tree="auto:prompts=N,tokens=T"`` (``Calibration``) calibrates on less text (sooner,
 noisier).
@@ -33,12 +34,11 @@ from tokenmaxx.heads import DynamicTreeConfig, Tree
 from tokenmaxx.heads.attention import shared_kv_kwargs
 from tokenmaxx.heads.modeling import backbone_features
 
-from .calibration_store import cache_path, calibration_key, machine_fingerprint, write_record
-from .decoding import accept_greedy
-from .drafting import make_drafter
+from ..decoding import accept_greedy
+from ..forward import ForwardContext, Plan, plan_record
+from ..loop import eos_ids, greedy_root, speculative_decode
 from .latency import cached_latency, drafts_along
-from .loop import eos_ids, greedy_root, speculative_decode
-from .small_rows import Plan, plan_record
+from .store import cache_path, calibration_key, machine_fingerprint, write_record
 from .tree_search import choose_tree, ordered_paths_from_ranks
 
 CALIBRATION_PREFIX = 256  # cached tokens the calibration's verify latency is read at (``verify_latency``)
@@ -171,14 +171,13 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3,
     measured then."""
     ids = _chat_ids(tokenizer, CALIBRATION_PROMPTS[0], model.get_output_embeddings().weight.device)
     eos = eos_ids(model.generation_config)
-    attention = shared_kv_kwargs(model)
+    forward = ForwardContext(attention=shared_kv_kwargs(model))
     samples: dict = {key: [] for key in trees}
     rounds = [(key, tree) for _ in range(repeats) for key, tree in trees.items()]
     for key, tree in tqdm(rounds, desc="tree='auto': timing the decode loop", unit="run", leave=False,
                           file=sys.stderr):
-        drafter = make_drafter("heads", model, heads, tree=tree)
-        _, s = speculative_decode(model, drafter, ids, max_new_tokens, accept_greedy, greedy_root, eos,
-                                  attention=attention)
+        _, s = speculative_decode(model, heads.drafter(model, tree), ids, max_new_tokens, accept_greedy, greedy_root,
+                                  eos, forward=forward)
         samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
     return {key: statistics.median(values) for key, values in samples.items()}
 
@@ -365,12 +364,15 @@ def _(settings: DynamicTreeConfig, model, heads, tokenizer, small_rows, calibrat
     return auto_dynamic(model, heads, tokenizer, settings, small_rows=small_rows, calibration=calibration)
 
 
-def resolve_auto(model, heads, tokenizer, small_rows: Plan = 0, calibration: Calibration = Calibration()):
+def resolve_auto(model, heads, tokenizer, small_rows: Plan = 0, calibration: Calibration = Calibration(),
+                 settings=None):
     """The heads' tree settings chosen for this machine (calibrated once, then read from the cache); ``small_rows``:
-    the verifies' small-row plan (``small_rows.cached_small_rows``); ``calibration``: how much text to calibrate on."""
+    the verifies' small-row plan (``small_rows.cached_small_rows``); ``calibration``: how much text to calibrate on;
+    ``settings``: the heads' own tree settings, parsed (None: their config's), whose type says what to calibrate."""
     if tokenizer is None:
         raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
-    return _calibrate(heads.tree_settings(heads.config), model, heads, tokenizer, small_rows, calibration)
+    own = settings if settings is not None else heads.tree_settings(heads.config)
+    return _calibrate(own, model, heads, tokenizer, small_rows, calibration)
 
 
 def _machine(model, small_rows: Plan, calibration: Calibration) -> dict:

@@ -6,8 +6,16 @@ import pytest
 import torch
 from helpers import random_heads, tiny_model
 
-from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MedusaHeads, register_head_kind
+from tokenmaxx.heads import BackboneMismatchError, DraftHeads, HeadsConfig, MedusaHeads, load_heads, register_head_kind
 from tokenmaxx.inference import SpeculativeGenerator
+import warnings
+from pathlib import Path
+
+
+from tokenmaxx.heads import modeling
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "heads" / "pretrained"
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -17,7 +25,7 @@ def test_save_load_round_trip(tmp_path, share):
     heads.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     assert all(p.stat().st_mode & 0o044 for p in tmp_path.iterdir())  # readable by others (not mkstemp's 0600)
-    loaded = DraftHeads.from_pretrained(tmp_path)
+    loaded = load_heads(tmp_path)
     assert isinstance(loaded, MedusaHeads) and loaded.config == heads.config
     for (k, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), k
@@ -56,22 +64,22 @@ def test_missing_corrupt_and_truncated_files(tmp_path):
     model = tiny_model("llama")
     heads = random_heads(model)
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
-        DraftHeads.from_pretrained(tmp_path)
+        load_heads(tmp_path)
     heads.save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="corrupt or truncated"):
-        DraftHeads.from_pretrained(tmp_path)
+        load_heads(tmp_path)
     weights.unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors are missing"):
-        DraftHeads.from_pretrained(tmp_path)
+        load_heads(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        DraftHeads.from_pretrained(tmp_path)
+        load_heads(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"kind": "medusa", "hidden_size": 8, "vocab_size": 9, "x": 1}))
     with pytest.raises(ValueError, match=r"unknown HeadsConfig fields \['x'\]"):
-        DraftHeads.from_pretrained(tmp_path)
+        load_heads(tmp_path)
 
 
 def test_weights_of_another_shape_are_refused(tmp_path):
@@ -81,11 +89,11 @@ def test_weights_of_another_shape_are_refused(tmp_path):
     cfg["num_layers"] = 2
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="missing"):
-        DraftHeads.from_pretrained(tmp_path)
+        load_heads(tmp_path)
     cfg["num_layers"], cfg["hidden_size"] = 1, 16
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"has shape \(32,\), the config expects \(16,\)"):
-        DraftHeads.from_pretrained(tmp_path)
+        load_heads(tmp_path)
 
 
 def test_heads_for_another_backbone_are_refused():
@@ -107,3 +115,28 @@ def test_heads_for_another_backbone_are_refused():
 def test_registry_rejects_duplicates():
     with pytest.raises(ValueError, match="already registered"):
         register_head_kind("medusa")(type("Again", (DraftHeads,), {}))
+def _identity_warnings(caught) -> list:
+    return [w for w in caught if issubclass(w.category, modeling.BackboneIdentityWarning)]
+
+
+def test_heads_naming_a_backbone_warn_once_on_a_model_without_identity():
+    model = tiny_model("llama")  # built from a config: no name_or_path, no tokenmaxx_backbone
+    heads = random_heads(model)
+    heads.config.backbone, heads.config.backbone_revision = "smollm2-135m", "b179c95"
+    with pytest.warns(modeling.BackboneIdentityWarning,
+                      match=r"made for backbone 'smollm2-135m' \(revision b179c95\).*could not be checked"):
+        SpeculativeGenerator(model, heads, draft="heads")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SpeculativeGenerator(model, heads, draft="heads")  # the same model again: warned already
+        heads.check_backbone(tiny_model("llama"), strict_identity=False)  # identity checks skipped knowingly
+        random_heads(model).check_backbone(model)  # heads that name no backbone: nothing to check
+        named = tiny_model("llama")
+        named.config.tokenmaxx_backbone = "smollm2-135m"
+        heads.check_backbone(named)  # a model with a name: checked, no warning
+    assert _identity_warnings(caught) == []
+    with pytest.warns(modeling.BackboneIdentityWarning):
+        heads.check_backbone(tiny_model("llama"))  # another unnamed model object: warned again
+
+
+

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from pathlib import Path
 
 import torch
 
 from tokenmaxx.heads import backbone_identity, cache_dir
+from tokenmaxx.heads.machine import cpu_isa, cpu_name, device_name
 
-CALIBRATION_VERSION = 6  # bumped when the calibration method, what it times or the key changes (4: GQA verify; 5: the
-# CPU's vector ISA in the key; 6: verifies computed as the small-row plan says, whose sizes the tables hold exactly),
-# so stale cached choices and latency tables are not reused
+CALIBRATION_VERSION = 6  # bumped when the calibration method, what it times or the key changes, so stale cached
+# choices and latency tables are not reused
 
 
 def cache_path(key: str, cache_root: Path | None) -> Path:
@@ -34,32 +33,6 @@ def write_record(path: Path, record: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
-
-
-def cpu_name() -> str:
-    """The CPU model (from /proc/cpuinfo where there is one)."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
-def cpu_isa() -> str:
-    """The vector instruction set PyTorch's CPU kernels use here ("AVX512", "AVX2", ...). CPUs sold under one model
-    name differ in it (an "AMD EPYC" with AVX-512 runs bf16 matmuls several times faster than one with AVX2 only), so
-    timings and calibrations name it beside the model."""
-    try:
-        return str(torch.backends.cpu.get_cpu_capability())
-    except (AttributeError, RuntimeError):
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    """What runs the backbone: "cpu: " and the CPU model, or the accelerator's type and name ("cuda: NVIDIA H200")."""
-    if device.type == "cpu":
-        return f"cpu: {cpu_name()}"
-    return f"{device.type}: {getattr(torch, device.type).get_device_name(device)}"
 
 
 def machine_fingerprint(model) -> dict:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .modeling import DraftHeads
-from .registry import DEFAULT_HEAD_KIND, head_kind
+from ..registry import DEFAULT_HEAD_KIND, head_kind
+from .hub import load_heads
 
-PRETRAINED_DIR = Path(__file__).parent / "pretrained"
+PRETRAINED_DIR = Path(__file__).parent.parent / "pretrained"
 
 
 def default_heads_path(backbone: str, kind: str | None = None) -> Path | None:
@@ -54,7 +54,7 @@ def resolve_heads(spec: str | None, model, backbone: str, fallback_untrained: bo
         print(f"note: no trained heads are shipped for {backbone!r}; using untrained heads (expect no speedup). "
               "Pass --heads PATH_OR_REPO.", file=sys.stderr)
         return fresh.for_backbone(model)
-    heads = DraftHeads.from_pretrained(path)
+    heads = load_heads(path)
     if kind is not None and heads.config.kind != kind:
         raise ValueError(f"heads {path} are of kind {heads.config.kind!r}, expected {kind!r}")
     return heads

@@ -19,6 +19,10 @@ from pathlib import Path
 
 import torch
 
+from ..config import backbone_identity  # noqa: F401  (re-exported beside the loader that records the identity)
+from ..attention import use_shared_kv_attention
+from ..machine import cpu_has_native_bf16
+
 DEFAULT_BACKBONE = "smollm2-135m"
 CACHE_ENV = "TOKENMAXX_CACHE"
 DEVICE_HELP = "where the backbone runs: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N"
@@ -187,14 +191,6 @@ def resolve_backbone(name_or_path: str) -> str:
     return name_or_path  # a Hub id, resolved by transformers
 
 
-def backbone_identity(model) -> tuple[str, str | None]:
-    """(backbone id, revision) of a loaded model: the alias and GGUF sha256 for aliases, else its path/Hub id."""
-    cfg = model.config
-    ident = getattr(cfg, "tokenmaxx_backbone", None) or cfg.name_or_path
-    revision = getattr(cfg, "tokenmaxx_revision", None) or getattr(cfg, "_commit_hash", None)
-    return ident, revision
-
-
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """A device name -> torch.device. "auto" (or None): the first CUDA GPU when there is one, else the CPU.
 
@@ -216,24 +212,14 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     return dev
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
-    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    try:
-        return any(check() for check in checks if check is not None)
-    except RuntimeError:
-        return False
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp32": torch.float32,
           "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
     """A dtype or its name -> torch.dtype. "auto": bfloat16 on a GPU or on a CPU with native bf16, float32 on a CPU
-    without (AVX2 only), where emulated bf16 made decoding slower and speculative decoding not pay (the demo prompt on
-    an AVX2-only EPYC: hybrid 1.41x over plain generate in fp32, 0.87x in bf16; docs/benchmarks.md)."""
+    without (AVX2 only), where emulated bf16 made decoding slower and speculative decoding not pay (a verify of several
+    tokens costs nearly as much as decoding them one by one; measured on an AVX2-only CPU: docs/benchmarks.md)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -257,6 +243,8 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str
         adapter: a PEFT adapter (folder or Hub id) merged into the backbone; recorded in ``model.config`` as
             ``tokenmaxx_adapter`` / ``tokenmaxx_adapter_revision`` (a local adapter's revision is the sha256 of its
             weights), which heads trained on the merged model are checked against.
+        attn_implementation: transformers' attention; "sdpa" on a CPU becomes the equivalent "tokenmaxx_sdpa" where
+            the backbone has grouped-query layers (``heads.attention.use_shared_kv_attention``).
     Returns:
         (model, tokenizer)
     """
@@ -274,6 +262,9 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str
         model.to(device)
     model.eval()
     model.requires_grad_(False)
+    # on a CPU, tree forwards of grouped-query layers may then let SDPA share the key/value heads (every other forward
+    # computes what "sdpa" does): the generator reads that off the model and changes nothing on it
+    use_shared_kv_attention(model)
     return model, tokenizer
 
 
@@ -294,10 +285,10 @@ def _merge_adapter(model, adapter: str, revision: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tokenmaxx.heads.backbones --import ALIAS FILE [FILE ...]``: put a copied GGUF into the cache."""
+    """``python -m tokenmaxx.heads.io.backbones --import ALIAS FILE [FILE ...]``: put a copied GGUF into the cache."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tokenmaxx.heads.backbones",
+    parser = argparse.ArgumentParser(prog="python -m tokenmaxx.heads.io.backbones",
                                      description="Convert an alias's GGUF file (or its pieces, in order) into "
                                                  "tokenmaxx's backbone cache, for machines without the weights "
                                                  "package.")

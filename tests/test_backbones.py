@@ -1,4 +1,5 @@
-"""A PEFT LoRA adapter merged into the backbone: recorded by the heads, and heads refuse a backbone without it."""
+"""The backbone loader (``heads/io/backbones.py``): unknown aliases, dtypes and folders are one clear error; a PEFT
+LoRA adapter merged into the backbone is recorded by the heads, and heads refuse a backbone without it."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ from helpers import greedy_reference, tiny_model
 from peft import LoraConfig, get_peft_model
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.heads import BackboneMismatchError, DraftHeads, MedusaHeads, load_backbone
+from tokenmaxx.heads import BackboneMismatchError, MedusaHeads, load_backbone, load_heads
 from tokenmaxx.inference import SpeculativeGenerator
 
 
@@ -36,7 +37,7 @@ def test_adapter_is_merged_recorded_and_checked(base_and_adapter, tmp_path):
     heads = MedusaHeads.for_backbone(merged)
     assert heads.config.adapter == adapter
     heads.save_pretrained(tmp_path / "heads")
-    heads = DraftHeads.from_pretrained(tmp_path / "heads")
+    heads = load_heads(tmp_path / "heads")
     merged.generation_config.eos_token_id = None
     out = SpeculativeGenerator(merged, heads, draft="heads").generate(ids, max_new_tokens=12)
     assert out.sequences.tolist() == greedy_reference(merged, ids, 12).tolist()
@@ -49,3 +50,16 @@ def test_not_an_adapter_folder(base_and_adapter, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="not a PEFT adapter folder"):
         load_backbone(base, adapter=str(tmp_path / "empty"))
+def test_unknown_alias():
+    with pytest.raises(ValueError, match=r"unknown backbone 'gpt-9'.*'qwen2.5-coder-0.5b'.*'smollm2-135m'"):
+        load_backbone("gpt-9")
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        load_backbone("smollm2-135m", dtype="float8")
+
+
+def test_local_folder_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_backbone(str(tmp_path))

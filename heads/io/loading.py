@@ -1,5 +1,5 @@
-"""Strict loading of saved heads (config.json + model.safetensors), for ``DraftHeads.from_pretrained`` and the Hub;
-and which heads specs name a local folder rather than a Hub repo id."""
+"""Strict loading of a saved heads folder (config.json + model.safetensors), for ``hub.load_heads`` and
+``hub.push_heads``; and which heads specs name a local folder rather than a Hub repo id."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
-from .registry import head_kind
+from ..config import CONFIG_NAME, WEIGHTS_NAME, HeadsConfig
+from ..registry import head_kind
 
 
 def looks_like_path(spec: str) -> bool:
@@ -32,7 +32,7 @@ def missing_folder(spec: str | os.PathLike) -> str:
     return f"no such heads folder {folder}{hint}"
 
 
-def load_heads(folder: str | Path, dtype: torch.dtype | None = None):
+def load_folder(folder: str | Path, dtype: torch.dtype | None = None):
     """The heads saved in ``folder``, of the kind their config names: every weight present, of the expected shape,
     and nothing else (safetensors only). ValueError / FileNotFoundError name the file and what was wrong."""
     folder = Path(folder)

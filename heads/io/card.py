@@ -14,10 +14,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..config import CONFIG_NAME, HeadsConfig
+from ..registry import head_kind
 from .backbones import BACKBONES
-from .config import CONFIG_NAME, HeadsConfig
 from .loading import check_repo_id, looks_like_path
-from .registry import head_kind
 
 CARD_NAME = "README.md"
 CARD_TEMPLATE = "heads_card.md.jinja"
@@ -90,7 +90,7 @@ def card_template_path() -> Path:
         packaged = files("tokenmaxx.model_cards") / CARD_TEMPLATE
         if packaged.is_file():
             return Path(str(packaged))
-    checkout = Path(__file__).resolve().parent.parent / "model_cards" / CARD_TEMPLATE
+    checkout = Path(__file__).resolve().parents[2] / "model_cards" / CARD_TEMPLATE
     if checkout.is_file():
         return checkout
     raise FileNotFoundError(f"model card template {CARD_TEMPLATE} is neither packaged (tokenmaxx.model_cards) nor at "

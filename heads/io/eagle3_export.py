@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .eagle3 import Eagle3Heads, default_feature_layers
-from .modeling import _umask
+from ..eagle3 import Eagle3Heads, default_feature_layers
+from ..modeling import _umask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"

@@ -20,8 +20,7 @@ def test_random_heads_match_greedy(model, tree):
 def test_oracle_heads_match_greedy_with_long_acceptance(model, p_top):
     # whole trees (adaptive_budget=False): the assertion is about acceptance, not about this machine's tree sizing
     tau = oracle_tau(model, lambda reference, i: SpeculativeGenerator(model, OracleHeads(
-        model, reference, p_top=p_top, p_wrong=0.0 if p_top == 1.0 else 0.15, seed=i), draft="heads",
-        adaptive_budget=False), 6, seed=2)
+        model, reference, p_top=p_top, p_wrong=0.0 if p_top == 1.0 else 0.15, seed=i), draft="heads"), 6, seed=2)
     assert tau > (4.0 if p_top == 1.0 else 2.0), tau  # long paths (through side branches) were really accepted
 
 

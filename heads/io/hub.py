@@ -1,6 +1,7 @@
-"""Draft heads on the Hugging Face Hub: push (one commit, with a generated model card) and download.
+"""Draft heads on the Hugging Face Hub: push (one commit, with a generated model card), download, and load heads from
+a local folder or a Hub repo id.
 
-Push, ``push_to_hub(heads_or_folder, repo_id, ...)``:
+Push, ``push_heads(heads_or_folder, repo_id, ...)``:
   1. check    the repo id ("org/name"), the heads (loaded strictly), the bench JSON: all before any network call
   2. card     README.md rendered by ``card.render_model_card`` (offline)
   3. repo     ``HfApi.create_repo(exist_ok=True)``; ``create_branch`` when ``revision`` names a branch
@@ -12,6 +13,9 @@ huggingface_hub only: never printed, logged, or put into an error message (those
 Download, ``download_heads(repo_id, revision)``: ``snapshot_download`` of the three files (the Hugging Face cache;
 ``HF_HUB_OFFLINE=1`` is honoured). Whether the heads fit a backbone is checked where they are attached to one
 (``DraftHeads.check_backbone``, called by ``SpeculativeGenerator``), for local folders and Hub repos alike.
+
+Load, ``load_heads(path_or_repo, revision)``: a local folder (``loading.load_folder``, strict), else a Hub repo id
+downloaded as above.
 
 Errors: ValueError (malformed repo id / bench JSON), HubUnreachableError (a ConnectionError), HubAuthError (a
 PermissionError), FileNotFoundError (heads that are neither on the Hub nor in the cache).
@@ -25,9 +29,12 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+
+from ..config import CONFIG_NAME, WEIGHTS_NAME
+from ..modeling import DraftHeads
 from .card import CARD_NAME, load_bench, render_model_card
-from .config import CONFIG_NAME, WEIGHTS_NAME
-from .loading import check_repo_id, load_heads
+from .loading import check_repo_id, is_repo_id, load_folder, looks_like_path, missing_folder
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +85,10 @@ def _hub_errors(endpoint: str, repo_id: str, token_source: str | None, stage: li
                            "no commit was made") from None
 
 
-def push_to_hub(heads, repo_id: str, *, token: str | None = None, private: bool = False, revision: str | None = None,
-                commit_message: str | None = None, bench: str | os.PathLike | dict | None = None,
-                license: str | None = None, endpoint: str | None = None, bench_methods: list[str] | None = None):
+def push_heads(heads: DraftHeads | str | os.PathLike, repo_id: str, token: str | None = None, private: bool = False,
+               revision: str | None = None, commit_message: str | None = None, *,
+               bench: str | os.PathLike | dict | None = None, license: str | None = None, endpoint: str | None = None,
+               bench_methods: list[str] | None = None):
     """Upload heads (a DraftHeads or a folder saved by ``save_pretrained``) with a generated README.md model card.
 
     Creates the repo if needed (``private`` applies only then) and the branch ``revision`` if it is missing (from
@@ -99,7 +107,7 @@ def push_to_hub(heads, repo_id: str, *, token: str | None = None, private: bool 
             folder = Path(heads)
             if not folder.is_dir():
                 raise FileNotFoundError(f"heads folder {folder} does not exist (expected a save_pretrained folder)")
-            heads = load_heads(folder)  # strict: refuses to upload broken files
+            heads = load_folder(folder)  # strict: refuses to upload broken files
         else:
             folder = Path(tmp)
             heads.save_pretrained(folder)
@@ -155,6 +163,32 @@ def download_heads(repo_id: str, revision: str | None = None, **hub_kwargs) -> P
         raise FileNotFoundError(f"no repo {at} on the Hub at {endpoint} (or it is private and no token with "
                                 "access was given)") from err
     if not (folder / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"Hub repo {at} holds no {CONFIG_NAME}: not tokenmaxx heads (push_to_hub writes "
+        raise FileNotFoundError(f"Hub repo {at} holds no {CONFIG_NAME}: not tokenmaxx heads (push_heads writes "
                                 f"{CONFIG_NAME}, {WEIGHTS_NAME} and {CARD_NAME})")
     return folder
+
+
+# ---- load -----------------------------------------------------------------------------------------------------------
+def load_heads(path_or_repo: str | os.PathLike, revision: str | None = None, dtype: torch.dtype | None = None,
+               **hub_kwargs) -> DraftHeads:
+    """Load heads saved by ``save_pretrained`` (a local folder, or a Hub repo id), strictly.
+
+    A spec that names no folder goes to the Hub only when it has the form "org/name"; one that can only be a path
+    (starting with ``./``, ``../``, ``/`` or ``~``, ending with ``/``, or with more than one ``/``) or has
+    another form gets a FileNotFoundError naming the folder, resolved. A Hub miss says what was tried on both
+    sides. For a Hub repo id, ``hub_kwargs`` go to ``huggingface_hub.snapshot_download`` (endpoint, cache_dir,
+    token, local_files_only). Whether the heads fit a backbone is checked when they are attached to one
+    (``check_backbone``).
+    """
+    folder = Path(path_or_repo).expanduser()
+    if folder.is_dir():
+        return load_folder(folder, dtype=dtype)
+    spec = os.fspath(path_or_repo)
+    if not isinstance(path_or_repo, str) or looks_like_path(spec) or not is_repo_id(spec):
+        raise FileNotFoundError(f"heads {spec!r}: {missing_folder(spec)}; not a Hub repo id "
+                                "of the form 'org/name' either, so the Hub was not asked")
+    try:
+        folder = download_heads(spec, revision, **hub_kwargs)
+    except (FileNotFoundError, HubUnreachableError) as err:  # say what was tried on both sides
+        raise type(err)(f"heads {spec!r}: {missing_folder(spec)}, and on the Hub: {err}") from err
+    return load_folder(folder, dtype=dtype)

@@ -8,7 +8,9 @@ from helpers import tiny_model
 from transformers import DynamicCache
 
 from tokenmaxx.inference import Tree, accept_greedy, commit, verify
-from tokenmaxx.heads.attention import IMPLEMENTATION, SHARE_KV_HEADS, shared_kv_kwargs, shares_kv_heads
+from tokenmaxx.heads.attention import (IMPLEMENTATION, SHARE_KV_HEADS, shared_kv_kwargs, shares_kv_heads,
+                                      use_shared_kv_attention)
+from tokenmaxx.inference.forward import ForwardContext
 from tokenmaxx.inference.decoding import tree_attention_bias
 
 TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
@@ -93,7 +95,8 @@ def test_accept_greedy_on_hand_built_logits():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypatch):
-    """On CPU a tree forward that asks for it (the forward keyword from ``shared_kv_kwargs``) hands SDPA the shared
+    """On CPU a tree forward that asks for it (the forward keyword from ``shared_kv_kwargs``, once the backbone is on
+    "tokenmaxx_sdpa": ``use_shared_kv_attention``) hands SDPA the shared
     key/value heads (enable_gqa) instead of transformers' per-layer copies of them; the logits are the same bit for
     bit. Forwards that do not ask, on the same model, run transformers' own SDPA path, and no environment variable is
     touched (the switch travels with the call)."""
@@ -111,9 +114,13 @@ def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypa
     with torch.no_grad():
         plain = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])
         assert grouped[-2:] == [False, False]  # transformers' SDPA: repeated key/value heads
+        assert shared_kv_kwargs(model) == {}  # transformers' "sdpa": nothing to ask for, and nothing changed
+        assert model.config._attn_implementation == "sdpa"
+        assert use_shared_kv_attention(model) and model.config._attn_implementation == IMPLEMENTATION
         attention = shared_kv_kwargs(model)
-        assert attention == {SHARE_KV_HEADS: True} and model.config._attn_implementation == IMPLEMENTATION
-        fast = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1], attention)
+        assert attention == {SHARE_KV_HEADS: True}
+        fast = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1],
+                      ForwardContext(attention=attention))
         assert grouped[-2:] == [True, True]  # both layers of the tree forward
         again = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])  # not asked
         assert grouped[-2:] == [False, False]
@@ -134,7 +141,7 @@ def test_kv_head_sharing_only_where_it_fits():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_backbone_moved_onto_the_shared_kv_attention_generates_as_before(arch):
-    """A generator moves an SDPA backbone onto "tokenmaxx_sdpa"; everything else the user runs on it is unchanged:
+    """``load_backbone`` moves an SDPA backbone onto "tokenmaxx_sdpa"; everything else the user runs on it is unchanged:
     transformers' greedy generate and its prompt-lookup generation (multi-token forwards over a cache, whose causal
     mask transformers builds for the implementation) give the same tokens before and after."""
     model = tiny_model(arch, seed=5)
@@ -146,5 +153,5 @@ def test_backbone_moved_onto_the_shared_kv_attention_generates_as_before(arch):
         return [model.generate(ids, **kwargs).tolist(), model.generate(ids, prompt_lookup_num_tokens=4, **kwargs).tolist()]
 
     before = runs()
-    assert shared_kv_kwargs(model) and model.config._attn_implementation == IMPLEMENTATION
+    assert use_shared_kv_attention(model) and model.config._attn_implementation == IMPLEMENTATION
     assert runs() == before and before[0] == before[1]

@@ -1,11 +1,15 @@
-"""Every bad input of the generator gets one clear error."""
+"""The user-facing generator (``inference/generator.py``): every bad input gets one clear error; one backbone serves
+two threads at once, each getting exactly what it gets alone (every generation has its own drafter, caches and
+statistics, and what changes a forward travels with each call)."""
+
+import os
+import threading
 
 import pytest
 import torch
-from helpers import random_heads, tiny_model
+from helpers import greedy_reference, random_heads, random_mtp, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.heads import load_backbone
 from tokenmaxx.inference import SpeculativeGenerator, chain
 
 
@@ -89,16 +93,28 @@ def test_tree_deeper_than_heads():
         SpeculativeGenerator(model, random_heads(model), tree=chain(5), draft="heads")
 
 
-def test_unknown_alias():
-    with pytest.raises(ValueError, match=r"unknown backbone 'gpt-9'.*'qwen2.5-coder-0.5b'.*'smollm2-135m'"):
-        load_backbone("gpt-9")
+@pytest.mark.parametrize("draft", ["hybrid", "heads"])
+def test_two_threads_on_one_backbone_give_the_sequential_outputs(draft):
+    model = tiny_model("llama", seed=3)
+    model.generation_config.eos_token_id = None  # full length: the threads overlap for the whole generation
+    gen = SpeculativeGenerator(model, random_mtp(model), draft=draft)
+    prompts = [torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5]]), torch.tensor([[9, 10, 11, 12]])]
+    sequential = [gen.generate(p, max_new_tokens=40).new_tokens for p in prompts]
+    for p, tokens in zip(prompts, sequential):  # fp32: the backbone's own greedy output
+        assert torch.equal(greedy_reference(model, p, 40)[0, p.shape[1]:], torch.tensor(tokens))
+    environment = dict(os.environ)
+    for _ in range(3):
+        results: list = [None, None]
+        barrier = threading.Barrier(2)
 
+        def run(i):
+            barrier.wait()
+            results[i] = gen.generate(prompts[i], max_new_tokens=40).new_tokens
 
-def test_bad_dtype():
-    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
-        load_backbone("smollm2-135m", dtype="float8")
-
-
-def test_local_folder_without_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        load_backbone(str(tmp_path))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == sequential
+    assert dict(os.environ) == environment

@@ -21,7 +21,7 @@ import torch
 
 from tokenmaxx.heads.tree import Tree, path_probability, sparse_tree
 
-from .latency import interpolate
+from ..costs import interpolate
 
 
 def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tuple[tuple[int, ...], float]]:

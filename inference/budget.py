@@ -1,10 +1,13 @@
-"""Hybrid drafting: the heads' tree and prompt-lookup branches share one node budget, sized per round.
+"""The per-round budget drafter: the heads' tree, optionally beside prompt-lookup branches, cut each round to the
+nodes worth their verify time on this machine.
 
 Each node is valued by its estimated chance of being accepted: heads nodes by the heads' own values (calibrated
 against what this generation accepts, ``HeadsCalibration``), lookup nodes by the measured acceptance of branches with
 the same matched n-gram length and rank (``LookupReliability``). The most valuable nodes are kept, up to the budget
-that maximises expected tokens per second on this machine's verify latency (``share_budget``). Heads that stop paying
-for their proposing time and their nodes' verify time sit rounds out (``HeadsGate``). ``HybridDrafter`` owns all of that state.
+that maximises expected tokens per second on the verify latency it is handed (``share_budget``). Heads that stop
+paying for their proposing time and their nodes' verify time sit rounds out (``HeadsGate``, settings in
+``GateConfig``). ``BudgetDrafter`` owns all of that state; with lookup it is the "hybrid" drafting mode, without it the
+"heads" mode on a measured latency.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from tokenmaxx.heads.drafting import HEADS, LOOKUP, Draft, Outcome, Prefill
 from tokenmaxx.heads.tree import TreeBuffers, compile_buffers
 
-from .latency import VerifyLatency, interpolate
+from .costs import VerifyLatency, interpolate
 from .lookup import LookupConfig, NgramIndex, merge_branches
 
 
@@ -104,12 +107,28 @@ class HeadsCalibration:
         self.expected = self.decay * self.expected + expected
 
 
+@dataclass(frozen=True)
+class GateConfig:
+    """When heads that do not pay sit rounds out (``HeadsGate``)."""
+
+    min_yield: float = field(default=0.05, metadata={
+        "help": "heads whose proposals lately add fewer accepted tokens per round than this, or than their proposing "
+                "time and their nodes' verify time are worth, sit out rounds"})
+    explore_every: int = field(default=8, metadata={
+        "help": "heads that sit out still propose every this many rounds, to notice when they pay again"})
+    decay: float = field(default=0.9, metadata={"help": "weight of the past in the gate's running means"})
+
+    def __post_init__(self):
+        if self.min_yield < 0 or self.explore_every < 1 or not 0 <= self.decay < 1:
+            raise ValueError(f"gate settings: need min_yield >= 0, explore_every >= 1 and 0 <= decay < 1, got "
+                             f"{self.min_yield}, {self.explore_every}, {self.decay}")
+
+
 @dataclass
 class HeadsGate:
     """Whether the heads are worth running this round. A round the heads run costs their proposing time and the verify
-    time of the nodes only they drafted, accepted or not (the shipped MTP heads, fp32 on a 2-core AVX2 EPYC: ~7 ms to
-    propose and ~5 ms a verified node, against a ~60 ms round of lookup alone); on text the lookup branches copy
-    (translation) or the heads guess badly, that is pure loss.
+    time of the nodes only they drafted, accepted or not; on text the lookup branches copy (translation) or the heads
+    guess badly, that is pure loss.
 
     Keeps decayed means of the tokens only the heads drafted that each proposing round accepted (``rate``) and of the
     extra verify seconds their nodes cost in that round (``extra``: latency with them minus latency without), and,
@@ -117,12 +136,10 @@ class HeadsGate:
     seconds without the heads' nodes. The heads run while what they add pays for what they cost:
     rate >= (cost + extra) x (other tokens per round) / (seconds per round), i.e. tokens/s with them beats tokens/s
     without, and rate >= ``min_yield``. Below that they sit out all but every ``explore_every``-th round, whose
-    outcome keeps the estimates current. Seconds come from the cached latency table and ``cost`` (one proposal) is a
-    cached measurement (``latency.py``), never a clock read: seeded sampling stays reproducible."""
+    outcome keeps the estimates current. Seconds come from the latency table and ``cost`` (one proposal) that the
+    drafter is handed (``costs.Costs``), never a clock read: seeded sampling stays reproducible."""
 
-    min_yield: float = 0.05
-    explore_every: int = 8
-    decay: float = 0.9
+    settings: GateConfig = field(default_factory=GateConfig)
     cost: float = 0.0  # seconds one proposal takes on this machine (0 and no extra: only min_yield counts)
     rate: float = 1.0  # decayed mean of heads-only accepted tokens per proposing round
     extra: float = 0.0  # decayed mean of the verify seconds the heads-only nodes added to a proposing round
@@ -132,19 +149,18 @@ class HeadsGate:
     _proposals: int = 0
 
     def __post_init__(self):
-        if self.min_yield < 0 or self.explore_every < 1 or not 0 <= self.decay < 1 or self.cost < 0:
-            raise ValueError(f"need min_yield >= 0, explore_every >= 1, 0 <= decay < 1 and cost >= 0, got "
-                             f"{self.min_yield}, {self.explore_every}, {self.decay}, {self.cost}")
+        if self.cost < 0:
+            raise ValueError(f"the heads' proposing cost must be >= 0 seconds, got {self.cost}")
 
     @property
     def threshold(self) -> float:
         """Heads-only accepted tokens per proposing round below which the heads sit out."""
         pays = (self.cost + self.extra) * self.other_tokens / self.seconds if self.seconds > 0 else 0.0
-        return max(self.min_yield, pays)
+        return max(self.settings.min_yield, pays)
 
     def propose(self) -> bool:
         """Run the heads this round?"""
-        if self.rate >= self.threshold or self._skipped + 1 >= self.explore_every:
+        if self.rate >= self.threshold or self._skipped + 1 >= self.settings.explore_every:
             self._skipped = 0
             return True
         self._skipped += 1
@@ -153,19 +169,21 @@ class HeadsGate:
     def update(self, heads_only_accepted: int, extra_seconds: float = 0.0) -> None:
         """After a round in which the heads proposed: how many accepted tokens only they had drafted, and the verify
         seconds their own nodes added to the round."""
-        self.rate = self.decay * self.rate + (1 - self.decay) * heads_only_accepted
+        decay = self.settings.decay
+        self.rate = decay * self.rate + (1 - decay) * heads_only_accepted
         self.extra = extra_seconds if self._proposals == 0 else \
-            self.decay * self.extra + (1 - self.decay) * extra_seconds  # the first proposing round sets the mean
+            decay * self.extra + (1 - decay) * extra_seconds  # the first proposing round sets the mean
         self._proposals += 1
 
     def record_round(self, other_tokens: int, seconds: float) -> None:
         """After every round: the tokens it yielded that the heads alone did not draft, and its verify seconds without
         the heads-only nodes."""
+        decay = self.settings.decay
         if self.seconds == 0:  # the first round sets the means
             self.other_tokens, self.seconds = float(other_tokens), seconds
         else:
-            self.other_tokens = self.decay * self.other_tokens + (1 - self.decay) * other_tokens
-            self.seconds = self.decay * self.seconds + (1 - self.decay) * seconds
+            self.other_tokens = decay * self.other_tokens + (1 - decay) * other_tokens
+            self.seconds = decay * self.seconds + (1 - decay) * seconds
 
 
 class SharedTree(NamedTuple):
@@ -239,49 +257,50 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     return SharedTree(merged[keep_t], out_buffers, sources[keep_t], own[keep_t], kept_paths, values[keep_t])
 
 
-class HybridDrafter:
-    """Heads and prompt lookup together (see the module docstring): wraps any heads drafter.
+class BudgetDrafter:
+    """The heads' drafter with a per-round node budget, and optionally prompt-lookup branches (see the module
+    docstring): wraps any heads drafter.
 
-    Per round: the gate decides whether the heads propose; up to ``branches`` lookup continuations of the longest
-    matched suffix are merged into the heads' tree; ``share_budget`` keeps the most valuable nodes. ``observe``
-    updates the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
-    ``propose_cost``: seconds one proposal of the heads takes on this machine (``latency.cached_propose_cost``); with
-    ``latency`` it sizes the trees of the rounds the heads run and sets the gate's bar (None: neither).
+    Per round: the gate decides whether the heads propose; with ``lookup`` settings, up to ``lookup.branches``
+    continuations of the longest matched suffix are merged into the heads' tree; ``share_budget`` keeps the most
+    valuable nodes, as many as pay for their verify time on ``latency`` (None: the whole budget). ``observe`` updates
+    the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
+    ``propose_seconds``: seconds one proposal of the heads takes on this machine; with ``latency`` it sizes the trees
+    of the rounds the heads run and sets the gate's bar (None: neither). Without lookup, a round whose heads sit out
+    verifies the root alone (a plain decode step).
     """
 
-    def __init__(self, heads_drafter, config: LookupConfig | None = None, nodes: int = 1,
-                 latency: VerifyLatency | None = None, lookup: bool = True, propose_cost: float | None = None):
+    def __init__(self, heads_drafter, lookup: LookupConfig | None = None, gate: GateConfig | None = None,
+                 nodes: int = 1, latency: VerifyLatency | None = None, propose_seconds: float | None = None):
         self.heads = heads_drafter
-        # False: the heads' tree alone, sized per round by the same rule (heads drafting on a measured latency); no
-        # lookup branches; heads that do not earn their proposing and verify time sit rounds out, which then verify the root alone
-        # (a plain decode step)
-        self.lookup = lookup
-        self.propose_cost = propose_cost or 0.0
+        self.lookup = lookup  # None: the heads' tree alone
+        self.gate_settings = gate or GateConfig()
+        self.propose_cost = propose_seconds or 0.0
         self.feature_layers = heads_drafter.feature_layers  # the states are the heads drafter's
-        self.config = config or LookupConfig()
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
         self.latency = latency  # verify seconds per node count on this machine (None: keep the whole budget)
-        self.min_ngram = self.config.shortest_ngram(1)
+        self.min_ngram = lookup.shortest_ngram(1) if lookup is not None else 1
         self._reset()
 
     def _reset(self) -> None:
-        self.index = NgramIndex(self.config.max_ngram)
+        self.index = NgramIndex(self.lookup.max_ngram if self.lookup is not None else 1)
         # one acceptance estimate per (matched n-gram length, branch rank): a continuation of a matched trigram is
         # surer than one of a single token, the most recent occurrence surer than older ones
         self.reliability: dict[tuple[int, int], LookupReliability] = {}
         self.calibration = HeadsCalibration()  # how the heads' values compare with what is accepted here
-        self.gate = HeadsGate(self.config.heads_min_yield, self.config.heads_explore_every,
-                              cost=self.propose_cost if self.latency is not None else 0.0)
+        self.gate = HeadsGate(self.gate_settings, cost=self.propose_cost if self.latency is not None else 0.0)
         self.prefix_len = 0  # tokens in the backbone's cache (all but the root)
         self._round: tuple[list, SharedTree, tuple[float, float]] | None = None  # branch estimates, shared tree,
         # and verify seconds without / with the heads-only nodes
 
     def describe(self) -> str:
-        return f"{self.heads.describe()} + prompt lookup" if self.lookup else f"{self.heads.describe()}, sized per round"
+        if self.lookup is not None:
+            return f"{self.heads.describe()} + prompt lookup"
+        return f"{self.heads.describe()}, sized per round" if self.latency is not None else self.heads.describe()
 
     def start(self, prefill: Prefill) -> None:
         self._reset()
-        if self.lookup:
+        if self.lookup is not None:
             self.index.extend(prefill.input_ids.tolist() + [prefill.root])
         self.prefix_len = prefill.input_ids.shape[0]
         self.heads.start(prefill)
@@ -290,8 +309,8 @@ class HybridDrafter:
         heads_ran = self.gate.propose()
         own = self.heads.propose(root, room if heads_ran else 0)
         # the branch is offered whole and the shared budget decides how much of it is kept
-        matched, branches = self.index.continuations(min(self.config.max_len, room), self.min_ngram,
-                                                     self.config.branches) if self.lookup else (0, [])
+        matched, branches = self.index.continuations(min(self.lookup.max_len, room), self.min_ngram,
+                                                     self.lookup.branches) if self.lookup is not None else (0, [])
         rels = [self.reliability.setdefault((matched, rank), LookupReliability()) for rank in range(len(branches))]
         budget = max(self.nodes, max((len(b) for b in branches), default=0) + 1)
         # sized from the cached latency table only (no wall-clock input): a seeded generation picks the same trees,
@@ -327,7 +346,7 @@ class HybridDrafter:
             self.gate.update(heads_only, max(0.0, seconds[1] - seconds[0]))
         if self.latency is not None:
             self.gate.record_round(len(outcome.tokens) - heads_only, seconds[0])
-        if self.lookup:
+        if self.lookup is not None:
             self.index.extend(outcome.emitted)
         self.prefix_len += outcome.nodes.numel()
         self.heads.observe(outcome)

@@ -1,0 +1,69 @@
+"""What machine this is: the CPU (model, vector ISA, native bf16) and the device a backbone runs on; a clock that
+waits for that device.
+
+One place for every package (training records it beside trained heads, inference keys calibrations and timings by
+it, the backbone loader picks dtypes from it). Only the standard library and torch.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo where there is one)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def cpu_isa() -> str:
+    """The vector instruction set PyTorch's CPU kernels use here ("AVX512", "AVX2", ...). CPUs sold under one model
+    name differ in it (an "AMD EPYC" may have AVX-512 or AVX2 only, and bf16 matmuls are far slower on the latter;
+    docs/benchmarks.md), so timings and calibrations name it beside the model."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
+    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    try:
+        return any(check() for check in checks if check is not None)
+    except RuntimeError:
+        return False
+
+
+def device_name(device: torch.device) -> str:
+    """What runs the backbone: "cpu: " and the CPU model, or the accelerator's type and name ("cuda: NVIDIA H200")."""
+    if device.type == "cpu":
+        return f"cpu: {cpu_name()}"
+    return f"{device.type}: {getattr(torch, device.type).get_device_name(device)}"
+
+
+UNQUEUED = ("cpu", "meta")  # device types whose work is done when the call returns: nothing to wait for
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has run all the work queued on it (``torch.accelerator.synchronize``; no-op on CPU).
+
+    An accelerator (CUDA, ...) runs kernels asynchronously: a Python call returns once the work is queued, so a clock
+    read right after it measures the launch."""
+    if device.type not in UNQUEUED:
+        torch.accelerator.synchronize(device)
+
+
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished its queued work: every timing of backbone or heads work
+    (the decode loop's phases, calibrations, benchmarks, training steps) reads it."""
+    synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,81 @@
+"""What was measured about this machine, handed to the method as one value: ``Costs``.
+
+The method (the decode loop, the drafters, verify / accept / commit) measures nothing. What it may use of this
+machine's speed comes in a ``Costs``:
+
+- ``latency``: seconds of one tree-verify forward per node count, at a few cache lengths (``VerifyLatency``). With it
+  the heads' and hybrid trees are cut per round to the nodes worth their verify time (``budget.share_budget``);
+  without it every round verifies the whole tree.
+- ``propose_seconds``: seconds one proposal of the heads takes. With ``latency`` it prices the heads' rounds, and
+  heads that do not earn it sit rounds out (``budget.HeadsGate``).
+- ``small_rows``: the tree sizes whose verifies compute (some of) the backbone's linear layers as ``(W @ x^T)^T``
+  (``forward.transposed_linears``), where this CPU's BLAS is faster that way.
+
+``tokenmaxx.inference.measure.measure_costs`` measures them (once per backbone, heads and machine, then cached);
+``SpeculativeGenerator.create`` / ``from_pretrained`` call it for ``costs="auto"``. Tests and benchmarks build a
+``Costs`` by hand. ``costs=None`` is the unmeasured method: whole trees, every forward as the model computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .forward import as_plan
+
+
+def interpolate(latency: Mapping[int, float], n: int) -> float:
+    """Verify latency of n tokens, linearly interpolated between measured sizes (extrapolated past the ends)."""
+    sizes = sorted(latency)
+    if n in latency:
+        return latency[n]
+    if len(sizes) == 1:
+        return latency[sizes[0]]
+    lo = max([s for s in sizes if s < n], default=sizes[0])
+    hi = min([s for s in sizes if s > n], default=sizes[-1])
+    if lo == hi:  # outside the measured range: extend the nearest segment
+        a, b = (sizes[-2], sizes[-1]) if n > sizes[-1] else (sizes[0], sizes[1])
+        lo, hi = a, b
+    return latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo)
+
+
+@dataclass(frozen=True)
+class VerifyLatency:
+    """Verify latency per node count at a few cache lengths: attention over the cache makes each extra node dearer in
+    a long context."""
+
+    tables: Mapping[int, Mapping[int, float]]  # cached tokens -> {nodes: seconds} (fitted: never decreasing in nodes)
+
+    def __post_init__(self):
+        if not self.tables or any(not table for table in self.tables.values()):
+            raise ValueError("a verify latency needs at least one table of at least one node count")
+        bad = [(p, n, s) for p, table in self.tables.items() for n, s in table.items() if n < 1 or not s >= 0]
+        if bad:
+            raise ValueError(f"verify latency entries must be (nodes >= 1: seconds >= 0), got {bad[:3]}")
+
+    def at(self, prefix_len: int) -> dict[int, float]:
+        """The table for a cache of ``prefix_len`` tokens: linear in the cache length between the measured lengths,
+        extended along the last segment past the longest, and the shortest's table below it."""
+        lengths = sorted(self.tables)
+        if prefix_len <= lengths[0] or len(lengths) == 1:
+            return dict(self.tables[lengths[0]])
+        hi = next((length for length in lengths if length >= prefix_len), lengths[-1])
+        lo = lengths[lengths.index(hi) - 1]
+        w = (prefix_len - lo) / (hi - lo)
+        # a blend of never-decreasing tables never decreases; a table with the dips of a small-row plan keeps them
+        return {n: (1 - w) * self.tables[lo][n] + w * self.tables[hi][n] for n in sorted(self.tables[lo])}
+
+
+@dataclass(frozen=True)
+class Costs:
+    """This machine's measured costs (see the module docstring). Every field is optional: a ``Costs()`` is the
+    unmeasured method, like ``costs=None``."""
+
+    latency: VerifyLatency | None = None
+    propose_seconds: float | None = None
+    small_rows: Mapping[int, str] = field(default_factory=dict)  # rows -> "all" | "head" | "body"
+
+    def __post_init__(self):
+        if self.propose_seconds is not None and not self.propose_seconds >= 0:
+            raise ValueError(f"propose_seconds must be >= 0 seconds, got {self.propose_seconds!r}")
+        object.__setattr__(self, "small_rows", as_plan(self.small_rows))  # checked, as a plain dict
