@@ -137,8 +137,22 @@ class Eagle3Heads(SequentialHeads):
                              f"num_layers={config.num_layers}")
 
     @classmethod
-    def card_sections(cls, config) -> dict[str, str]:
-        sections = super().card_sections(config)
-        sections["tree_section"] = (f"EAGLE-3 draft reading backbone hidden states {config.feature_layers} "
-                                    "(fused by `fc`). " + sections["tree_section"])
-        return sections
+    def card_sections(cls, config) -> dict:
+        layers = list(config.feature_layers or [])
+        named = ", ".join(map(str, layers[:-1])) + f" and {layers[-1]}" if len(layers) > 1 else ", ".join(map(str, layers))
+        vocab = (f" over a draft vocabulary (its {config.draft_vocab_size} most frequent tokens plus the prompt's)"
+                 if config.draft_vocab_size else "")
+        return {**super().card_sections(config),
+                "summary": f"an EAGLE-3 draft module (one Llama decoder layer reading a fusion of {len(layers)} "
+                           f"backbone layers' hidden states and the token embedding, unrolled over {config.num_heads} "
+                           "draft depths)",
+                "how": f"At depth d the module reads its previous state (at d = 1 `fc`, a trained fusion of the "
+                       f"backbone's hidden states {named}, the inputs of those layers) and the embedding of the token "
+                       f"guessed before, and guesses the next token through the backbone's frozen lm_head{vocab}; "
+                       "drafting grows a dynamic tree from the module's own log-probabilities.",
+                "rows": [("draft depths", str(config.num_heads)),
+                         ("decoder layers", (f"{config.num_layers} (a Llama layer, EAGLE-3's layout: `tokenmaxx export "
+                                             "--format eagle3` writes the checkpoint of vLLM's and SGLang's EAGLE-3 "
+                                             "drafts)")),
+                         ("feature layers", (f"{', '.join(map(str, layers))} (backbone hidden-state indices, i: the "
+                                             "input of layer i; fused by `fc`)"))]}

@@ -113,7 +113,11 @@ class MedusaHeads(DraftHeads):
         section = (f"{own}: {tree.num_nodes} nodes (root included),\ndepth {tree.depth}. Each path lists ranks: the "
                    "r1-th best guess of head 1, then the r2-th best of head 2, ...\n\n```json\n"
                    f"{json.dumps([list(p) for p in tree.paths])}\n```")
-        return {"tau_note": tau_note, "tree_section": section, "unit": "head", "accuracy_note": ""}
+        return {"tau_note": tau_note, "tree_section": section, "unit": "head", "accuracy_note": "",
+                "summary": f"{config.num_heads} Medusa heads",
+                "how": "Head k reads the backbone's last hidden state at position t and guesses the token at t+k+1; "
+                       "the heads' top guesses fill a static tree (below).",
+                "rows": [("heads (K)", str(config.num_heads)), ("residual blocks per head", str(config.num_layers))]}
 
 
 @functools.lru_cache(maxsize=64)

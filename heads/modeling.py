@@ -216,9 +216,11 @@ class DraftHeads(nn.Module):
 
     @classmethod
     def card_sections(cls, config: HeadsConfig) -> dict[str, str]:
-        """Markdown for the model card: ``tree_section`` (how the kind drafts its trees), ``tau_note`` (a sentence
-        after the held-out accuracies; may be empty), ``unit`` (what the accuracy table's rows are: "head" or "depth")
-        and ``accuracy_note`` (a sentence before that table; may be empty)."""
+        """Markdown for the model card: ``summary`` (what the heads are: the noun phrase of the card's opening),
+        ``how`` (what a draft reads and which tree it fills), ``rows`` ((what, value) rows of the card's "Heads"
+        table), ``tree_section`` (how the kind drafts its trees), ``tau_note`` (a sentence after the held-out
+        accuracies; may be empty), ``unit`` (what the accuracy table's rows are: "head" or "depth") and
+        ``accuracy_note`` (a sentence before that table; may be empty)."""
         raise NotImplementedError
 
     # ---- save (loading: heads.io.load_heads) --------------------------------------------------------------------

@@ -117,6 +117,18 @@ class MTPHeads(SequentialHeads):
             raise ValueError(f"{config.kind!r} heads read the backbone's final state: feature_layers must be None "
                              "(kind 'eagle3' reads several layers)")
 
+    @classmethod
+    def card_sections(cls, config) -> dict:
+        family = (config.layer_config or {}).get("model_type", "not recorded")
+        return {**super().card_sections(config),
+                "summary": f"an MTP-style sequential draft module ({config.num_layers} decoder layer(s) of the "
+                           f"backbone's own family, unrolled over {config.num_heads} trained depths)",
+                "how": "At depth d the module reads its previous state (the backbone's last hidden state at d = 1) and "
+                       "the embedding of the token guessed before, and guesses the next token through the backbone's "
+                       "frozen lm_head; drafting grows a dynamic tree from the module's own log-probabilities.",
+                "rows": [("trained depths", str(config.num_heads)),
+                         ("decoder layers", f"{config.num_layers} (`{family}` family, built by transformers)")]}
+
     # ---- one depth -----------------------------------------------------------------------------------------------
     def lift(self, features: torch.Tensor) -> torch.Tensor:
         """The backbone's final-normed last state is the depth-1 state as it is: [..., H] -> [..., H]."""

