@@ -20,8 +20,8 @@ WEIGHTS_NAME = "model.safetensors"
 @dataclass
 class HeadsConfig:
     kind: str = field(default=DEFAULT_HEAD_KIND, metadata={
-        "help": "head kind, a registered name: 'eagle3' (the kind of the shipped default heads), 'mtp' or 'medusa'; "
-                "default: registry.DEFAULT_HEAD_KIND, the kind of fresh heads"})
+        "help": "head kind, a registered name: 'eagle3' (the default, registry.DEFAULT_HEAD_KIND: the kind of the "
+                "shipped default heads and the one `export` writes), 'mtp' or 'medusa'"})
     num_heads: int = field(default=4, metadata={
         "help": "number of heads (Medusa) or draft depth (sequential kinds: EAGLE-3, MTP): head k, or depth d = k, "
                 "predicts the token k+1 positions after the current one"})

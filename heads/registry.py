@@ -7,8 +7,8 @@ kind it holds. This module imports nothing of tokenmaxx, so the config, the load
 from __future__ import annotations
 
 HEAD_KINDS: dict[str, type] = {}
-DEFAULT_HEAD_KIND = "mtp"  # the kind of fresh heads and training runs when none is named (not the shipped default's:
-# that is in its own config.json; eagle3 for smollm2-135m)
+DEFAULT_HEAD_KIND = "eagle3"  # the kind of fresh heads and training runs when none is named: that of the shipped
+# default heads, the one `export` writes (EAGLE-3 reads backbone layers 2, L//2 and L-3: a backbone of >= 7 layers)
 
 
 def register_head_kind(name: str):

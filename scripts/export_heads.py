@@ -5,8 +5,9 @@
 
 Then, for example: ``vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config
 '{"method": "eagle3", "model": "OUT", "num_speculative_tokens": 4}'`` (README "Serving"). The backbone is loaded to
-read its lm_head rows at the draft vocabulary (default: the one the heads name). Bad input ends in one `error:` line
-and exit status 2 (--debug: the traceback).
+read its lm_head rows at the draft vocabulary (default: the one the heads name). Heads without a draft vocabulary on
+a backbone of more than 65,536 tokens get a note with the file size and how to shrink it. Bad input ends in one
+`error:` line and exit status 2 (--debug: the traceback).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+import torch
 from transformers import HfArgumentParser
 
 from tokenmaxx.heads import load_backbone, load_heads
@@ -21,6 +23,10 @@ from tokenmaxx.heads.io.eagle3_export import export_eagle3
 from tokenmaxx.scripts.errors import run_script
 
 FORMATS = {"eagle3": export_eagle3}
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+SERVING_DTYPE = "bfloat16"  # --dtype auto: what vLLM and SGLang run EAGLE-3 drafts in on a GPU
+LARGE_VOCAB = 65536  # above this, an export without a draft vocabulary gets a note on its size
+SUGGESTED_DRAFT_VOCAB = 32768
 
 
 @dataclass
@@ -31,23 +37,47 @@ class ExportArgs:
     format: str = field(default="eagle3", metadata={"help": f"checkpoint format, one of {sorted(FORMATS)}"})
     backbone: str | None = field(default=None, metadata={
         "help": "backbone alias / folder / Hub id (default: the one the heads were made for)"})
-    dtype: str = field(default="bfloat16", metadata={"help": "weights dtype of the export: bfloat16, float16, float32"})
+    dtype: str = field(default="auto", metadata={
+        "help": f"weights dtype of the export, one of {DTYPES}: auto = {SERVING_DTYPE}, the dtype serving engines "
+                "run the draft in on a GPU (the export is written, not computed, on this machine, so unlike train, "
+                "eval and generate its bf16 support does not matter)"})
     overwrite: bool = field(default=False, metadata={"help": "replace an existing output folder"})
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"unknown --format {self.format!r}: expected one of {sorted(FORMATS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+def size_note(heads, model, dtype: str) -> str | None:
+    """A note for heads that draft over a whole vocabulary of more than LARGE_VOCAB tokens: the export's size (the
+    lm_head rows of every token dominate it) and how a draft vocabulary shrinks it; None otherwise."""
+    vocab = heads.config.vocab_size
+    if heads.draft_vocab is not None or vocab <= LARGE_VOCAB:
+        return None
+    hidden = model.get_output_embeddings().weight.shape[1]
+    weights = sum(t.numel() for name, t in heads.state_dict().items() if name != "draft_vocab") + vocab * hidden
+    size = weights * getattr(torch, dtype).itemsize + vocab * 9  # + d2t (int64) and t2d (bool) per token
+    return (f"note: these heads draft over the whole {vocab:,}-token vocabulary, so the export will be about "
+            f"{size / 1e6:,.0f} MB, most of it lm_head rows; a draft vocabulary (train --draft_vocab_size "
+            f"{SUGGESTED_DRAFT_VOCAB}, or scripts/draft_vocab.py --size {SUGGESTED_DRAFT_VOCAB} on these heads) "
+            "makes it smaller and drafting cheaper")
 
 
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(ExportArgs).parse_args_into_dataclasses(argv)
+    (args,) = HfArgumentParser(ExportArgs, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     heads = load_heads(args.heads)
     backbone = args.backbone or heads.config.backbone
     if not backbone:
         raise ValueError(f"the heads in {args.heads} name no backbone: pass --backbone")
+    dtype = SERVING_DTYPE if args.dtype == "auto" else args.dtype
     model, _ = load_backbone(backbone, dtype="float32", device="cpu")
-    out = FORMATS[args.format](heads, model, args.output_dir, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"wrote {args.format} checkpoint {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+    note = size_note(heads, model, dtype)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    out = FORMATS[args.format](heads, model, args.output_dir, dtype=dtype, overwrite=args.overwrite)
+    print(f"wrote {args.format} checkpoint {out} ({dtype}): " + ", ".join(sorted(p.name for p in out.iterdir())))
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train draft heads (Medusa, or MTP with --kind mtp) on a frozen backbone with DeepSpeed (CPU), then export them.
+"""Train draft heads (EAGLE-3 unless --kind says mtp or medusa) on a frozen backbone with DeepSpeed, then export them.
 
 One process:
     python scripts/train_heads.py --data data/smollm2 --backbone smollm2-135m --output_dir runs/smollm2 \\
@@ -14,12 +14,15 @@ Continue an interrupted run bit-identically: the same command plus --resume.
 
 DeepSpeed settings live in --ds_config (default training/ds_config.json); its "auto" values are filled from the
 flags, and a flag that contradicts a concrete JSON value is an error. `--help` lists every flag.
+The result is one JSON object on stdout (rank 0), the only thing there: logs, DeepSpeed's included, go to stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
 import sys
 
@@ -43,12 +46,29 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Everything written to stdout meanwhile goes to stderr: Python's prints and loggers bound to sys.stdout
+    (DeepSpeed's) and, through file descriptor 1, compiled code and subprocesses (DeepSpeed's op builds)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = HfArgumentParser(TrainConfig, description=__doc__.split("\n\n")[0])
     (cfg,) = parser.parse_args_into_dataclasses(args=strip_launcher_args(sys.argv[1:] if argv is None else argv),
                                                 look_for_args_file=False)
-    result = train(cfg)
+    with stdout_to_stderr():  # the result's JSON below is all of stdout (`| jq` reads it)
+        result = train(cfg)
     import deepspeed.comm as dist
 
     if dist.get_rank() == 0:

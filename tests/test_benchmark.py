@@ -29,7 +29,7 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench.py"), "--backbone", str(tmp_path / "tiny"), "--heads",
-         "untrained", "--dtype", "float32", "--threads", "1", "--max_new_tokens", "12", "--prompts", str(prompts),
+         str(tmp_path / "mtp"), "--dtype", "float32", "--threads", "1", "--max_new_tokens", "12", "--prompts", str(prompts),
          "--methods", "baseline,prompt_lookup,assisted,tokenmaxx,medusa:chain:2,hybrid,lookup,medusa,mtp,"
          "mtp:dynamic:nodes=6,min_mass=0,mtp_hybrid", "--medusa_heads", "untrained",
          "--mtp_heads", str(tmp_path / "mtp"),

@@ -35,7 +35,7 @@ def sharegpt_record(i: int, turns: list[tuple[str, str]]) -> dict:
 
 
 def config(tmp_path: Path, sources, **overrides) -> DataConfig:
-    values = dict(output_dir=str(tmp_path / "out"), sources=[str(s) for s in sources], exclude=[], dtype="float32",
+    values = dict(output_dir=str(tmp_path / "out"), data=[str(s) for s in sources], exclude=[], dtype="float32",
                   max_new_tokens=12, batch_size=4, chunk_size=8)
     return DataConfig(**{**values, **overrides})
 
@@ -352,7 +352,7 @@ def test_a_saved_batch_that_cannot_continue_the_chunk_is_one_clear_error(tmp_pat
 # ---- config and script ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(chunk_size=-1), dict(max_new_tokens=0),
                                  dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_prompts=-1),
-                                 dict(dtype="int8"), dict(sources=[]), dict(top_k=-2)])
+                                 dict(dtype="int8"), dict(data=[]), dict(top_k=-2)])
 def test_config_rejects_nonsense(bad):
     with pytest.raises(ValueError, match="DataConfig"):
         DataConfig(**{"output_dir": "x", **bad})
@@ -373,7 +373,7 @@ def test_script_help_explains_every_flag_and_prints_a_summary(tmp_path, backbone
     for name, spec in DataConfig.__dataclass_fields__.items():
         assert f"--{name}" in help_text and " ".join(spec.metadata["help"].split())[:40] in help_text
     source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}, {"prompt": "hi"}])
-    script.main(["--output_dir", str(tmp_path / "out"), "--sources", str(source), "--exclude", "none",
+    script.main(["--output_dir", str(tmp_path / "out"), "--data", str(source), "--exclude", "none",
                  "--dtype", "float32", "--max_new_tokens", "4"], *backbone)
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert "1 records" in summary and "tokens/s" in summary and "1 duplicate" in summary
@@ -404,3 +404,82 @@ def test_script_bad_input_is_one_error_line(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.splitlines()[-1].startswith("error: DataConfig"), out.stderr
     assert "min_prompt_tokens=600 is above max_prompt_tokens=512" in out.stderr
+
+
+def test_ctrl_c_ends_in_one_line_and_status_130_and_the_rerun_says_where_it_resumes(tmp_path, backbone, monkeypatch,
+                                                                                      capsys):
+    """Ctrl-C while answering: no traceback, one line saying how many prompts are saved and how to resume, exit status
+    130 (through the console command's run_script too); the re-run says where it resumes and ends complete."""
+    import tokenmaxx.training.data as data_module
+    from tokenmaxx.scripts.errors import run_script
+
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i} " + "la " * (i % 5)} for i in range(12)])
+    argv = ["--output_dir", str(tmp_path / "out"), "--data", str(source), "--exclude", "none", "--dtype", "float32",
+            "--max_new_tokens", "4", "--batch_size", "2", "--chunk_size", "6", "--threads", "1"]
+    real, saved = data_module.write_batch, []
+
+    def save_four_then_ctrl_c(path, *args):
+        if len(saved) == 4:  # chunk 0's 3 batches (a shard), then 1 batch of chunk 1: 8 prompts saved
+            raise KeyboardInterrupt
+        saved.append(path.name)
+        real(path, *args)
+
+    monkeypatch.setattr(data_module, "write_batch", save_four_then_ctrl_c)
+    script = load_script()
+    capsys.readouterr()
+    assert run_script(lambda flags: script.main(flags, *backbone), argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.rstrip("\n").splitlines()[-1] == ("interrupted: 8 of 12 prompts answered and saved; re-run the same "
+                                                 "command to resume"), err
+    monkeypatch.undo()
+    dataset, stats = script.main(argv, *backbone)
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "resuming" in line] == [
+        f"make_data: resuming in {tmp_path / 'out'} at 8/12 prompts answered and saved by an earlier run"], err
+    assert len(dataset) == 12 and stats.resumed_at == 8 and stats.answered == 12
+    again, _ = script.main(argv, *backbone)  # complete: nothing to resume, nothing said
+    assert len(again) == 12 and "resuming" not in capsys.readouterr().err
+
+
+def test_the_prompts_flag_is_data_as_in_train_and_eval_and_sources_still_works(tmp_path):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(DataConfig)
+    for flag in ("--data", "--sources"):
+        (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", "x", flag, "a.jsonl", "b.jsonl"])
+        assert parsed.data == ["a.jsonl", "b.jsonl"]
+    assert DataConfig(output_dir="x").data == ["sharegpt"]
+
+
+def test_a_data_folder_that_is_not_a_dataset_is_one_error_naming_it_and_what_was_expected(tmp_path, backbone):
+    """train / eval (load_data), make-data (a prompts folder) and merge-data name the folder and what they expected,
+    not the datasets library's message; make-data's unfinished output folder is told to be finished."""
+    from tokenmaxx.training.merge_data import merge_data
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "notes.jsonl").write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match=rf"--data {plain} is not a saved dataset \(no dataset_info.json and "
+                                         r"state.json, nor dataset_dict.json\); expected a dataset folder written by "
+                                         r"make-data or merge-data \(datasets.save_to_disk\)"):
+        load_data(plain, seq_len=48, eval_fraction=0.1, eval_max_examples=8, seed=0)
+    with pytest.raises(FileNotFoundError, match=rf"--data {tmp_path / 'nowhere'}: no such folder; expected a dataset "
+                                                r"folder written by make-data"):
+        load_data(tmp_path / "nowhere", seq_len=48, eval_fraction=0.1, eval_max_examples=8, seed=0)
+    with pytest.raises(ValueError, match=rf"--data {plain} is not a saved dataset .*expected 'sharegpt', a .json or "
+                                         r".jsonl file of prompts"):
+        list(load_prompts([str(plain)]))
+    unfinished = tmp_path / "unfinished"
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i}"} for i in range(4)])
+    import tokenmaxx.training.data as data_module
+
+    with pytest.MonkeyPatch.context() as patch:  # stopped before its dataset was assembled
+        patch.setattr(data_module, "assemble", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            make_data(config(tmp_path, [source], output_dir=str(unfinished)), *backbone)
+    for call in (lambda: load_data(unfinished, seq_len=48, eval_fraction=0.1, eval_max_examples=8, seed=0),
+                 lambda: merge_data([unfinished], tmp_path / "merged")):
+        with pytest.raises(ValueError, match=rf"{unfinished} is make-data's output folder, but its dataset is not "
+                                             r"finished \(no state.json\): re-run the same make-data command"):
+            call()

@@ -232,3 +232,27 @@ def test_the_export_command(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown --format 'gguf'"):
         export_heads.main(["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "o2"),
                            "--format", "gguf"])
+
+
+def test_a_large_vocabulary_without_a_draft_vocabulary_gets_one_note_with_the_size(tmp_path, capsys):
+    """A backbone of more than 65,536 tokens and heads drafting over all of them (a 151,936-token backbone: a 310 MB
+    draft): one note on stderr with the size about to be written and --draft_vocab_size; none with a draft
+    vocabulary. The default dtype, auto, is bfloat16: what serving engines run the draft in."""
+    path = tmp_path / "backbone"
+    tiny_model("llama", num_hidden_layers=8, vocab_size=70000).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    model, _ = load_backbone(str(path), device="cpu")
+    heads = Eagle3Heads.for_backbone(model, num_heads=2)
+    heads.save_pretrained(tmp_path / "heads")
+    capsys.readouterr()
+    assert export_heads.main(["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "whole 70,000-token vocabulary" in notes[0] and "--draft_vocab_size" in notes[0], notes
+    written = (tmp_path / "out" / "model.safetensors").stat().st_size / 1e6
+    assert f"about {written:,.0f} MB" in notes[0], (notes, written)
+    assert "(bfloat16)" in captured.out and _read(tmp_path / "out")[1]["torch_dtype"] == "bfloat16"
+    heads.set_draft_vocab(range(3, 500))
+    heads.save_pretrained(tmp_path / "small")
+    assert export_heads.main(["--heads", str(tmp_path / "small"), "--output_dir", str(tmp_path / "o2")]) == 0
+    assert "note:" not in capsys.readouterr().err

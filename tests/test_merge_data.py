@@ -30,7 +30,7 @@ def parts(tmp_path_factory):
                                   ("long", (3, 14, 20), dict(min_prompt_tokens=13))]:
         source = root / f"{name}.jsonl"
         source.write_text("".join(json.dumps({"prompt": "b" * n}) + "\n" for n in lengths))
-        make_data(DataConfig(output_dir=str(root / name), sources=[str(source)], exclude=[], dtype="float32",
+        make_data(DataConfig(output_dir=str(root / name), data=[str(source)], exclude=[], dtype="float32",
                              max_new_tokens=6, batch_size=2, chunk_size=4, **bounds), model, tokenizer)
         out.append(root / name)
     return out

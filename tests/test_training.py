@@ -10,13 +10,16 @@ import pytest
 import torch
 from helpers import make_cfg, tiny_model
 
-from tokenmaxx.heads import MedusaHeads, MTPHeads, load_backbone
+from tokenmaxx.heads import HEAD_KINDS, MedusaHeads, MTPHeads, load_backbone, load_heads
+from tokenmaxx.heads.tree import default_tree
 from tokenmaxx.inference import Tree
 from tokenmaxx.training.batches import collate, group_by_length, load_data, step_micro_batches
 from tokenmaxx.training.ds_setup import DeepSpeedConfigError, resolve_ds_config
 from tokenmaxx.training.features import BackboneFeatures, FeatureCache
 from tokenmaxx.training.losses import HeadsObjective, head_weights, shifted_targets, teacher_rows
-from tokenmaxx.training.metrics import RankCounts
+from tokenmaxx.training.metrics import RankCounts, scoring_tree
+from tokenmaxx.training.train_config import TrainConfig
+from tokenmaxx.training.trainer import serving_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -303,3 +306,97 @@ def test_ds_config_flags_fill_auto_and_conflicts_fail(tmp_path, data_dir):
     path.write_text(json.dumps(custom))
     with pytest.raises(DeepSpeedConfigError, match="torch_adam"):
         resolve_ds_config(make_cfg(data_dir, tmp_path, ds_config=str(path), lr=None), 1, 36)
+
+
+# ---- defaults shared with the other commands, the serving tree the metrics score -----------------------------------
+@pytest.mark.parametrize("native", [False, True])
+def test_dtype_auto_is_bf16_only_where_native_and_threads_default_as_the_other_commands(tmp_path, data_dir,
+                                                                                         monkeypatch, native):
+    """Unset --dtype is auto (as generate and make-data): float32 on a CPU without native bf16 (emulated bf16 is slow
+    there), bfloat16 where it is native; --dtype auto says the same and is compared with a concrete JSON value.
+    --kind is eagle3 (the shipped heads', what export writes); --threads is 2 as in generate, or a launcher's
+    OMP_NUM_THREADS."""
+    from tokenmaxx.heads import DEFAULT_HEAD_KIND
+
+    monkeypatch.setattr("tokenmaxx.heads.io.backbones.cpu_has_native_bf16", lambda: native)
+    want = "bfloat16" if native else "float32"
+    for given in (None, "auto"):
+        cfg, ds = resolve_ds_config(make_cfg(data_dir, tmp_path, dtype=given, device="cpu"), 1, 36)
+        assert cfg.dtype == want and ds["bf16"]["enabled"] is native
+    custom = json.loads((REPO / "training" / "ds_config.json").read_text())
+    custom["bf16"]["enabled"] = not native
+    (path := tmp_path / "ds.json").write_text(json.dumps(custom))
+    cfg, _ = resolve_ds_config(make_cfg(data_dir, tmp_path, dtype=None, device="cpu", ds_config=str(path)), 1, 36)
+    assert cfg.dtype == ("float32" if native else "bfloat16")  # unset: the JSON's concrete value
+    with pytest.raises(DeepSpeedConfigError, match=rf"--dtype auto \(= dtype '{want}'\) disagrees with bf16.enabled"):
+        resolve_ds_config(make_cfg(data_dir, tmp_path, dtype="auto", device="cpu", ds_config=str(path)), 1, 36)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    plain = TrainConfig(data=str(data_dir), output_dir=str(tmp_path))
+    assert (plain.kind, plain.dtype, plain.threads) == (DEFAULT_HEAD_KIND, None, 2) and DEFAULT_HEAD_KIND == "eagle3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun with several processes
+    assert TrainConfig(data=str(data_dir), output_dir=str(tmp_path)).threads == 1
+    with pytest.raises(ValueError, match="--threads must be a positive integer, got 0"):
+        make_cfg(data_dir, tmp_path, threads=0)
+
+
+def test_sequential_heads_record_their_serving_tree_and_are_scored_on_its_node_budget(data_dir, tmp_path):
+    """The export of a run records the tree its heads generate with (unset: the library's default, written out), and
+    the held-out tau is scored on a tree of that many nodes: tree_nodes is what they serve (32, or 8 as the shipped
+    heads), never the 24-node Medusa default; static-tree heads are scored on their own tree."""
+    model = tiny_model()
+    for spec, nodes in ((None, 32), ("default", 32), ("dynamic:nodes=8,topk=8", 8), ("dynamic:nodes=6,depth=2", 6)):
+        for kind, layers in (("mtp", None), ("eagle3", [0, 1, 2])):
+            cfg = make_cfg(data_dir, tmp_path, kind=kind, dynamic_tree=spec, feature_layers=layers)
+            settings = serving_tree(cfg, None)
+            heads = HEAD_KINDS[kind].for_backbone(model, num_heads=4, feature_layers=layers, **settings)
+            assert heads.config.dynamic_tree is not None and heads.config.dynamic_tree.nodes == nodes
+            tree = scoring_tree(heads)
+            assert tree.num_nodes == nodes and tree.depth <= (2 if "depth=2" in (spec or "") else 4), spec
+            assert heads.drafter(model).nodes == nodes  # what generation drafts with: the same budget
+    shipped = load_heads(REPO / "heads" / "pretrained" / "smollm2-135m")
+    assert shipped.config.dynamic_tree.nodes == 8 and scoring_tree(shipped).num_nodes == 8
+    medusa = MedusaHeads.for_backbone(model, num_heads=3, **serving_tree(make_cfg(data_dir, tmp_path), None))
+    assert medusa.config.tree is None and scoring_tree(medusa) == default_tree(3)  # what Medusa heads serve
+    own = Tree([(0,), (1,), (0, 0)])
+    assert scoring_tree(MedusaHeads.for_backbone(model, num_heads=3, tree=[list(p) for p in own.paths])) == own
+
+
+def _heads_with_a_record(backbone_dir: Path, folder: Path, record: dict | None) -> Path:
+    model, _ = load_backbone(str(backbone_dir))
+    heads = MTPHeads.for_backbone(model, num_heads=2)
+    if record is not None:
+        heads.config.extra = {"training": {**record, "kind": "mtp", "lr": 0.01}}
+    heads.save_pretrained(folder)
+    return folder
+
+
+def test_eval_scores_the_split_recorded_with_the_heads_and_says_which(tmp_path, backbone_dir, data_dir, capsys):
+    """Without split flags eval scores the held-out rows of the split the heads' run recorded (not its own defaults,
+    which would score other rows, some trained on), and prints one line saying so; a flag given overrides its value
+    and the line says which; heads recording no run get train's defaults, said so."""
+    from tokenmaxx.scripts import eval_heads
+
+    record = {"seq_len": 48, "eval_fraction": 0.3, "eval_max_examples": 256, "seed": 1}
+    heads = _heads_with_a_record(backbone_dir, tmp_path / "heads", record)
+    out = tmp_path / "eval.json"
+
+    def run(folder: Path, *flags: str) -> tuple[str, dict]:
+        assert eval_heads.main(["--heads", str(folder), "--data", str(data_dir), "--backbone", str(backbone_dir),
+                                "--threads", "1", "--out", str(out), *flags]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("split: ")]
+        assert len(lines) == 1, lines
+        return lines[0], json.loads(out.read_text())
+
+    line, metrics = run(heads)
+    assert line == ("split: held-out rows of seq_len 48, eval_fraction 0.3, eval_max_examples 256, seed 1 (recorded "
+                    "with the heads)")
+    assert metrics["examples"] == len(load_data(data_dir, **record).eval) == 12  # 0.3 of 40 rows
+    assert metrics["split_settings"] == record
+    line, metrics = run(heads, "--eval_fraction", "0.1")
+    assert line == ("split: held-out rows of seq_len 48, eval_fraction 0.1, eval_max_examples 256, seed 1 "
+                    "(seq_len, eval_max_examples, seed: recorded with the heads; eval_fraction: given)")
+    assert metrics["examples"] == len(load_data(data_dir, **{**record, "eval_fraction": 0.1}).eval) == 4
+    line, metrics = run(_heads_with_a_record(backbone_dir, tmp_path / "bare", None), "--split", "all")
+    assert line == ("split: every row of seq_len 512, eval_fraction 0.05, eval_max_examples 256, seed 0 (train's "
+                    "default, not recorded with the heads)")
+    assert metrics["examples"] == 40

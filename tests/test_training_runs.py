@@ -150,7 +150,8 @@ def test_train_mtp_heads_resume_and_export(tmp_path, backbone_dir, data_dir):
     assert first.losses + resumed.losses == straight.losses
     a, b = head_state(straight.export_dir), head_state(resumed.export_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert load_heads(straight.export_dir).config.dynamic_tree is None  # unset: library default
+    assert load_heads(straight.export_dir).config.dynamic_tree == DynamicTreeConfig()  # unset: the library's, recorded
+    assert straight.metrics["tree_nodes"] == DynamicTreeConfig().nodes  # scored on the node budget it serves with
     heads = load_heads(resumed.export_dir)
     assert heads.config.dynamic_tree == DynamicTreeConfig(nodes=6, topk=3)
     assert heads.drafter(model).config == DynamicTreeConfig(nodes=6, topk=3)  # what generation drafts with
@@ -407,7 +408,8 @@ def test_torchrun_two_processes_agree(tmp_path, backbone_dir, data_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "scripts" / "train_heads.py"), "--data", str(data_dir), "--backbone", str(backbone_dir),
-           "--dtype", "float32", "--output_dir", str(tmp_path / "run"), "--seq_len", "48", "--max_steps", "3",
+           "--kind", "mtp", "--dtype", "float32", "--output_dir", str(tmp_path / "run"), "--seq_len", "48",
+           "--max_steps", "3",
            "--micro_batch_size", "2", "--grad_accum", "2", "--warmup", "1", "--lr", "0.01", "--zero_stage", "2",
            "--feature_cache", str(tmp_path / "features")]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -433,3 +435,21 @@ def test_cli_help_explains_every_flag():
     for f in dataclasses.fields(TrainConfig):
         assert f.metadata.get("help"), f"--{f.name} has no help text"
         assert f"--{f.name}" in out.stdout and " ".join(f.metadata["help"].split()[:4]) in text, f.name
+
+
+def test_train_prints_only_its_json_on_stdout_and_the_tree_nodes_its_heads_serve(tmp_path, backbone_dir, data_dir):
+    """`train ... | jq` works: DeepSpeed's log lines go to stderr, stdout is the result's JSON alone. The tree_nodes it
+    reports are the node budget of the serving tree the exported heads record (8 here, as the shipped heads), and the
+    run used --threads."""
+    cmd = [sys.executable, str(REPO / "scripts" / "train_heads.py"), "--data", str(data_dir), "--backbone",
+           str(backbone_dir), "--feature_layers", "0", "1", "2", "--dtype", "float32", "--output_dir",
+           str(tmp_path / "run"), "--seq_len", "48", "--max_steps", "2", "--warmup", "1", "--micro_batch_size", "4",
+           "--grad_accum", "1", "--dynamic_tree", "dynamic:nodes=8", "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)  # the whole of stdout: one JSON object
+    heads = load_heads(result["export_dir"])
+    assert heads.config.kind == "eagle3" and heads.config.dynamic_tree == DynamicTreeConfig(nodes=8)
+    assert result["tree_nodes"] == heads.config.extra["metrics"]["tree_nodes"] == 8
+    assert heads.config.extra["machine"]["threads"] == 1 and heads.config.extra["training"]["threads"] == 1

@@ -91,6 +91,8 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
     assert json.loads(out.read_text())["eval_positions"] == warm.metrics["eval_positions"]
     assert eval_heads.main(argv + ["--unseen_by", str(first.export_dir)]) == 0  # the same rows, named
     assert json.loads(out.read_text())["eval_positions"] == warm.metrics["eval_positions"]
+    assert eval_heads.main(argv[:6] + ["--out", str(out)]) == 0  # no split flags: the split its run recorded
+    assert json.loads(out.read_text())["eval_positions"] == warm.metrics["eval_positions"]
     capsys.readouterr()
     with pytest.raises(ValueError, match=r"--unseen_by chooses the held-out rows; --split all scores every row"):
         eval_heads.main(argv + ["--unseen_by", str(first.export_dir), "--split", "all"])
@@ -102,7 +104,7 @@ def test_heads_continue_training_from_trained_ones_and_hold_out_only_rows_new_to
         train(make_cfg(data_ab, tmp_path / "stopped", resume=True, **resumable), model=model)
     resumed = train(make_cfg(data_ab, tmp_path / "stopped", resume=True, init_heads=str(first.export_dir),
                              dynamic_tree="default", **resumable), model=model)
-    assert resumed.steps == 4 and load_heads(resumed.export_dir).config.dynamic_tree is None
+    assert resumed.steps == 4 and load_heads(resumed.export_dir).config.dynamic_tree == DynamicTreeConfig()
     with pytest.raises(ValueError, match=r"0 row\(s\) of .*ab come from parts the initial heads were not trained on"):
         train(make_cfg(data_ab, tmp_path / "again", init_heads=str(warm.export_dir), **run), model=model)
     with pytest.raises(ValueError, match=r"do not fit this run \(num_heads: theirs 4, this run 3\): give the flags"):

@@ -21,7 +21,7 @@ from typing import Collection, Iterator
 import numpy as np
 import torch
 
-from .data_folder import PROVENANCE_NAME
+from .data_folder import PROVENANCE_NAME, load_saved_dataset
 
 log = logging.getLogger(__name__)
 EVAL_SPLITS = ("validation", "test")
@@ -166,12 +166,10 @@ def load_data(path: str | Path, seq_len: int, eval_fraction: float, eval_max_exa
     rows, and rows with the same tokens, are never held out (they train; the held-out rows come from the other parts).
     Data that shares no part with them splits exactly as without. A split given by the data is used as it is.
     """
-    from datasets import Dataset, DatasetDict, load_from_disk
+    from datasets import Dataset, DatasetDict
 
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--data {path} is not a folder written by datasets.save_to_disk")
-    loaded = load_from_disk(str(path))
+    loaded = load_saved_dataset(path)
     if isinstance(loaded, DatasetDict):
         held = next((s for s in EVAL_SPLITS if s in loaded), None)
         if "train" not in loaded:

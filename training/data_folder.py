@@ -35,6 +35,26 @@ SETTINGS_NAME, PROVENANCE_NAME, SHARDS_DIR = "settings.json", "provenance.json",
 PARTIAL_PREFIX = "partial-"  # shards/partial-NNNNN/BBBBB: the answered batches of chunk NNNNN while it is unfinished
 
 
+SAVED_DATASET = "a dataset folder written by make-data or merge-data (datasets.save_to_disk)"
+
+
+def load_saved_dataset(path: str | Path, flag: str = "--data", expected: str = SAVED_DATASET):
+    """``datasets.load_from_disk(path)``, or one error naming ``path`` (given as ``flag``) and what was ``expected``,
+    saying so when it is make-data's unfinished output folder (not the datasets library's own message)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: {'not a folder' if path.exists() else 'no such folder'}; expected "
+                                f"{expected}")
+    dataset = (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
+    if not dataset and not (path / "dataset_dict.json").is_file():
+        if (path / SETTINGS_NAME).is_file():
+            raise ValueError(f"{flag} {path} is make-data's output folder, but its dataset is not finished (no "
+                             "state.json): re-run the same make-data command to finish it")
+        raise ValueError(f"{flag} {path} is not a saved dataset (no dataset_info.json and state.json, nor "
+                         f"dataset_dict.json); expected {expected}")
+    return datasets.load_from_disk(str(path))
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(TMP_PREFIX + path.name)
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

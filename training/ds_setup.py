@@ -96,6 +96,14 @@ def training_device(spec: str) -> "torch.device":
     return device
 
 
+def auto_dtype(device_spec: str) -> str:
+    """--dtype auto on the run's device (``heads.io.backbones.resolve_dtype``, as generate and make-data): 'bfloat16'
+    where bf16 is native (a GPU, a CPU with AVX-512 BF16 / AMX), else 'float32'."""
+    from tokenmaxx.heads.io.backbones import resolve_dtype
+
+    return str(resolve_dtype("auto", training_device(device_spec))).removeprefix("torch.")
+
+
 def init_distributed(device: "torch.device | None" = None) -> tuple[int, int]:
     """Join (or create) the process group through DeepSpeed, gloo on CPU and nccl on CUDA (``device`` sets
     DeepSpeed's accelerator before its first use); returns (rank, world size)."""
@@ -208,6 +216,9 @@ def resolve_ds_config(cfg: TrainConfig, world: int, num_train: int) -> tuple[Tra
     ds = copy.deepcopy(ds)
     _check_supported(ds, source)
     explicit = {flag: getattr(cfg, flag) for flag in FLAG_PATHS}
+    labels = {}
+    if explicit["dtype"] == AUTO:  # --dtype auto given: this machine's choice, compared with a concrete JSON value
+        explicit["dtype"], labels["dtype"] = auto_dtype(cfg.device), "--dtype auto (= dtype"
     if cfg.epochs is not None:  # --epochs decides the step count as explicitly as --max_steps would
         first = {f: _pick(f, explicit[f], _get(ds, FLAG_PATHS[f]), source) for f in ("micro_batch_size", "grad_accum")}
         explicit["max_steps"] = math.ceil(cfg.epochs * steps_per_epoch(num_train, world, **first))
@@ -225,7 +236,9 @@ def resolve_ds_config(cfg: TrainConfig, world: int, num_train: int) -> tuple[Tra
                   f"{resolved['max_steps']} steps: warming up over {resolved[flag]}", file=sys.stderr)
         else:
             label = f"--epochs {cfg.epochs} (= max_steps" if flag == "max_steps" and cfg.epochs is not None else None
-            resolved[flag] = _pick(flag, explicit[flag], _get(ds, path), source, label)
+            resolved[flag] = _pick(flag, explicit[flag], _get(ds, path), source, label or labels.get(flag))
+            if flag == "dtype" and resolved[flag] == AUTO:  # neither flag nor JSON: the default, auto
+                resolved[flag] = auto_dtype(cfg.device)
         _set(ds, path, _to_json_value(flag, resolved[flag]))
 
     batch = resolved["micro_batch_size"] * resolved["grad_accum"] * world

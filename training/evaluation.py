@@ -4,7 +4,8 @@
 (the same seeded split as ``load_data`` with the same seq_len / eval_fraction / eval_max_examples / seed), or on every
 row, per category too when the data has one. It answers questions a run's own record cannot: how do the shipped heads
 do on a new mix, do two kinds differ on the same rows, did a change of data help on text like X. Depth d is scored
-given the true tokens before it, as in training; tau is the static tree's (see ``metrics``).
+given the true tokens before it, as in training; tau is the scored tree's (``metrics.scoring_tree``: the heads' static
+tree, or one of their dynamic tree's node budget). ``recorded_split`` reads the split a run recorded with its heads.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from typing import Collection
 
 import torch
 
-from tokenmaxx.heads.tree import parse_tree
-
 from .batches import SelfDistilledData, load_data
 from .features import BackboneFeatures
 from .losses import HeadsObjective
-from .metrics import evaluate
+from .metrics import evaluate, scoring_tree
 
 SPLITS = ("held_out", "all")
 VOCABS = ("auto", "draft", "full")
@@ -58,7 +57,7 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
     heads = copy.deepcopy(heads).to(device=device, dtype=lm_head.weight.dtype).eval()  # the caller's stay as they are
     objective = HeadsObjective(heads, "ce", vocab=heads.draft_vocab.cpu() if vocab == "draft" else None)
     features = BackboneFeatures(model, data, heads.feature_layers)
-    tree = parse_tree(heads.config.tree, heads.config.num_heads)
+    tree = scoring_tree(heads)
 
     def run(selected: list[int]) -> dict:
         return evaluate(objective, lm_head, features, data, tree, micro_batch_size, rank=0, world=1, embed=embed,
@@ -70,3 +69,15 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
         if len(groups) > 1:
             metrics["by_category"] = {c: {"examples": len(g), **run(g)} for c, g in groups.items()}
     return metrics
+
+
+SPLIT_FIELDS = ("seq_len", "eval_fraction", "eval_max_examples", "seed")  # what decides a run's held-out rows
+
+
+def recorded_split(heads_config) -> dict:
+    """The split settings (``SPLIT_FIELDS``) the training run of these heads recorded in ``extra["training"]`` (its
+    TrainConfig); those it does not record are left out (untrained or hand-made heads: none)."""
+    extra = heads_config.extra if isinstance(heads_config.extra, dict) else {}
+    training = extra.get("training") if isinstance(extra.get("training"), dict) else {}
+    return {name: training[name] for name in SPLIT_FIELDS
+            if isinstance(training.get(name), (int, float)) and not isinstance(training.get(name), bool)}

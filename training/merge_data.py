@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from .batches import read_provenance
 from .data_folder import (CATEGORY, FEATURES, PROVENANCE_NAME, TMP_PREFIX, TOKEN_DTYPES, category_counts,
-                          count_answer_tokens, features, quiet_datasets, remove, write_json)
+                          count_answer_tokens, features, load_saved_dataset, quiet_datasets, remove, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,11 @@ COUNTED = ("num_records", "answer_tokens")  # counted on the merged rows
 
 
 def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
+    dataset = load_saved_dataset(path, "part")
     if not (path / PROVENANCE_NAME).is_file():
         raise FileNotFoundError(f"{path} has no {PROVENANCE_NAME}: expected a folder written by make_data "
                                 "(scripts/make_data.py)")
     provenance = read_provenance(path)
-    dataset = datasets.load_from_disk(str(path))
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(f"{path} holds splits {list(dataset)}; merge_data takes make_data outputs (one Dataset each)")
     if missing := sorted(set(FEATURES) - set(dataset.column_names)):

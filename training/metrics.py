@@ -1,8 +1,10 @@
 """Held-out metrics of the heads and the run's metric log (jsonl, TensorBoard when installed).
 
 Per head k: top-1 / top-5 accuracy, and the rank table ``rank_acc[k-1][r]`` = how often the target token is the r-th
-best of head k (r < 8). From the table, the expected accepted length of the shipped tree under an independence
-assumption: tau = 1 (bonus token) + sum over tree nodes of the product of rank accuracies along the node's path.
+best of head k (r < 8). From the table, the expected accepted length of the scored tree (``scoring_tree``: the heads'
+own static tree, or for heads that grow dynamic trees the static tree of their node budget; ``tree_nodes`` is its
+size) under an independence assumption: tau = 1 (bonus token) + sum over tree nodes of the product of rank accuracies
+along the node's path.
 Deeper heads are more often right when their parents were (see DESIGN.md), so the product underestimates; the
 empirical tau (``tree_tau_empirical``: per position, the depth of the deepest tree path whose every rank matches the
 targets, + 1) is reported beside it, as is the chain-conditioned table ``rank_acc_given_prev_top1``.
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from tokenmaxx.heads.tree import Tree
+from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
+from tokenmaxx.heads.tree import TYPICAL_RANK_ACCURACY, Tree, sparse_tree
 
 from .batches import SelfDistilledData, collate, eval_micro_batches
 from .checkpoints import atomic_write_text
@@ -24,6 +27,19 @@ from .losses import logits_cross_entropy
 
 log = logging.getLogger(__name__)
 RANKS = 8
+
+
+def scoring_tree(heads) -> Tree:
+    """The static tree whose tau the held-out metrics report for ``heads``: the tree they serve with
+    (``tree_settings`` of their config) when it is static; for a dynamic tree (``DynamicTreeConfig``), the sparse tree
+    of its node budget and depth grown from typical rank accuracies (``tree.sparse_tree``, as the default static tree
+    is), so ``tree_nodes`` is the node budget the heads generate with."""
+    config = heads.config
+    settings = heads.tree_settings(config)
+    if not isinstance(settings, DynamicTreeConfig):
+        return settings
+    depth = min(settings.depth or config.num_heads, config.num_heads)
+    return sparse_tree(TYPICAL_RANK_ACCURACY[:depth], settings.nodes)
 
 
 def target_ranks(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ A flag given explicitly that disagrees with a concrete JSON value is an error (s
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,20 @@ from tokenmaxx.heads.sequential import SequentialHeads
 DEFAULT_DS_CONFIG = str(Path(__file__).with_name("ds_config.json"))
 LOSSES = ("ce", "kl", "ce+kl")
 LOSS_VOCABS = ("full", "draft")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # auto: heads.io.backbones.resolve_dtype on the run's device
+DEFAULT_THREADS = 2  # torch CPU threads of the commands (train, make-data, eval; generate and bench too)
 
 # Defaults of the DeepSpeed-controlled fields, used when neither the flag nor the JSON gives a value.
 DEFAULTS: dict[str, Any] = {"lr": 1e-3, "warmup": 20, "weight_decay": 0.0, "grad_accum": 4, "micro_batch_size": 4,
-                            "grad_clip": 1.0, "zero_stage": 1, "dtype": "bfloat16"}
+                            "grad_clip": 1.0, "zero_stage": 1, "dtype": "auto"}
+THREADS_HELP = (f"torch CPU threads (per process); default: OMP_NUM_THREADS when a launcher sets it (torchrun with "
+                f"several processes: 1 each), else {DEFAULT_THREADS}")
+
+
+def default_threads() -> int:
+    """--threads unset: OMP_NUM_THREADS when the environment sets it to a positive integer, else DEFAULT_THREADS."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_THREADS
 
 
 def _ds_help(text: str, name: str) -> str:
@@ -67,11 +77,15 @@ class TrainConfig:
     device: str = field(default="auto", metadata={
         "help": DEVICE_HELP + "; with several processes on GPUs each rank takes cuda:LOCAL_RANK"})
     dtype: str | None = field(default=None, metadata={
-        "help": _ds_help(f"backbone and head compute dtype, one of {DTYPES}; bfloat16 is DeepSpeed bf16 with fp32 "
-                         "master weights (JSON bf16.enabled)", "dtype")})
+        "help": _ds_help(f"backbone and head compute dtype, one of {DTYPES}: auto = bfloat16 where it is native (a "
+                         "GPU, a CPU with AVX-512 BF16 / AMX), else float32 (emulated bf16 is slow on an AVX2-only "
+                         "CPU), as in generate, make-data and eval; bfloat16 is DeepSpeed bf16 with fp32 master "
+                         "weights (JSON bf16.enabled)", "dtype")})
+    threads: int = field(default_factory=default_threads, metadata={"help": THREADS_HELP})
     kind: str = field(default=DEFAULT_HEAD_KIND, metadata={
-        "help": f"head kind, one of {sorted(HEAD_KINDS)}: 'eagle3' = one Llama decoder layer over a fusion of "
-                "three backbone layers' states, unrolled K times (the shipped default heads' kind), 'mtp' = one "
+        "help": f"head kind, one of {sorted(HEAD_KINDS)}: 'eagle3' (the default: the shipped heads' kind, the one "
+                "`export` writes) = one Llama decoder layer over a fusion of three backbone layers' states, unrolled "
+                "K times, 'mtp' = one "
                 "decoder block of the backbone's family on its last hidden state, unrolled K times, each guess "
                 "conditioned on the last, 'medusa' = K independent heads on the last hidden state"})
     num_heads: int = field(default=4, metadata={
@@ -99,8 +113,10 @@ class TrainConfig:
     dynamic_tree: str | None = field(default=None, metadata={
         "help": "the serving tree written into the exported heads' config (sequential kinds: mtp, eagle3): "
                 "'dynamic:N' (N nodes) or 'dynamic:nodes=N,topk=K,depth=D,min_mass=M' (any subset), or 'default' "
-                "(the library's, 32 nodes); unset: the --init_heads' tree, else the library's. Only the export reads "
-                "it: a resume may change it. tree='auto' measures the best one on a given machine"})
+                "(the library's, 32 nodes); unset: the --init_heads' tree, else the library's. The export records it "
+                "(what the heads generate with) and the held-out tau is scored on a tree of its node budget "
+                "(tree_nodes); the weights do not depend on it, so a resume may change it. tree='auto' measures the "
+                "best one on a given machine"})
 
     # ---- objective -----------------------------------------------------------------------------------------------
     loss_vocab: str = field(default="full", metadata={
@@ -193,6 +209,8 @@ class TrainConfig:
                     or min(self.feature_cache_layers) < 0):
                 raise ValueError(f"--feature_cache_layers must be distinct hidden-state indices >= 0, got "
                                  f"{self.feature_cache_layers!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads <= 0:
+            raise ValueError(f"--threads must be a positive integer, got {self.threads!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 < self.head_decay <= 1.0:

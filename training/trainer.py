@@ -3,11 +3,14 @@
 ``train(cfg)`` is the whole run, as named steps:
 
 1. processes     join the process group (gloo on CPU, nccl on CUDA; a plain single process gets RANK / WORLD_SIZE
-                 defaults); the device is ``cfg.device`` (cuda:LOCAL_RANK per rank on GPUs)
+                 defaults); the device is ``cfg.device`` (cuda:LOCAL_RANK per rank on GPUs); ``cfg.threads`` torch
+                 CPU threads
 2. data          self-distilled examples, train / held-out split (``batches.load_data``)
 3. config        DeepSpeed JSON merged with the flags (``ds_setup.resolve_ds_config``)
 4. backbone      frozen, eval mode; never handed to DeepSpeed (its weights stay bit-identical)
-5. heads         ``HEAD_KINDS[cfg.kind].for_backbone`` (eagle3, mtp, medusa); the objective module wraps them
+5. heads         ``HEAD_KINDS[cfg.kind].for_backbone`` (eagle3, mtp, medusa), with the serving tree the export
+                 records (``serving_tree``); the held-out tau is scored on it (``metrics.scoring_tree``); the
+                 objective module wraps them
                  (``losses.HeadsObjective``); the checkpoint folder is checked against the run's identity before any
                  expensive work
 6. features      cached hidden states on disk (``--feature_cache``) or the backbone per batch
@@ -35,8 +38,8 @@ from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, DynamicTreeConfig, HeadsConfig, backbone_identity, load_backbone, load_heads
 from tokenmaxx.heads.machine import cpu_isa, cpu_name, device_name
-from tokenmaxx.heads.tree import parse_tree
 from tokenmaxx.heads.machine import clock
+from tokenmaxx.heads.sequential import SequentialHeads
 
 from . import checkpoints
 from .batches import SelfDistilledData, collate, load_data, part_digests, step_micro_batches, trained_parts
@@ -44,7 +47,7 @@ from .checkpoints import atomic_write_text
 from .ds_setup import build_engine, comm_device, init_distributed, resolve_ds_config, steps_per_epoch, training_device
 from .features import BackboneFeatures, FeatureCache
 from .losses import STATS, HeadsObjective, shifted_targets
-from .metrics import MetricsLogger, evaluate
+from .metrics import MetricsLogger, evaluate, scoring_tree
 from .train_config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -179,6 +182,19 @@ def init_heads_record(init, source: str, seen) -> dict:
     return {"source": source, "seen_parts": sorted(seen), "metrics": theirs.get("metrics"), "run": run}
 
 
+def serving_tree(cfg: TrainConfig, init) -> dict:
+    """The serving tree the exported heads record (``for_backbone`` settings; not part of the checkpoint identity):
+    --dynamic_tree, else the --init_heads' tree, else the library's default, written out (a dynamic tree's
+    ``DynamicTreeConfig()``) so that the heads generate with the tree the run scored, whatever the default later is."""
+    if issubclass(HEAD_KINDS[cfg.kind], SequentialHeads):
+        if cfg.dynamic_tree and cfg.dynamic_tree != "default":
+            return {"dynamic_tree": DynamicTreeConfig.parse(cfg.dynamic_tree)}
+        if cfg.dynamic_tree is None and init is not None and init.config.dynamic_tree is not None:
+            return {"dynamic_tree": init.config.dynamic_tree}
+        return {"dynamic_tree": DynamicTreeConfig()}
+    return {"tree": init.config.tree} if init is not None and init.config.tree is not None else {}
+
+
 def start_from(heads, init, model) -> None:
     """Step 5 with --init_heads: the fresh ``heads`` (built with ``init``'s settings) take its weights; ``init`` must
     fit the backbone."""
@@ -274,6 +290,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     requested = cfg.to_dict()
     device = training_device(cfg.device)
     rank, world = init_distributed(device)  # 1. processes
+    torch.set_num_threads(cfg.threads)
     init = init_heads_for(cfg)
     seen = trained_parts(init.config) if init is not None else []
     if init is not None and not seen:
@@ -289,17 +306,11 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
     layers = cfg.feature_layers or (init.config.feature_layers if init is not None else None)
     settings = {"feature_layers": list(layers)} if layers else {}
-    if cfg.dynamic_tree and cfg.dynamic_tree != "default":  # the serving tree the export carries (not part of the
-        settings["dynamic_tree"] = DynamicTreeConfig.parse(cfg.dynamic_tree)  # checkpoint identity)
-    elif cfg.dynamic_tree is None and init is not None and init.config.dynamic_tree is not None:
-        settings["dynamic_tree"] = init.config.dynamic_tree  # unset: the one of the heads it starts from
-    if init is not None and init.config.tree is not None:  # static-tree kinds keep their tree too
-        settings["tree"] = init.config.tree
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                              share_lm_head=cfg.share_lm_head, **settings)
+                                              share_lm_head=cfg.share_lm_head, **settings, **serving_tree(cfg, init))
     if init is not None:
         start_from(heads, init, model)
-    tree = parse_tree(heads.config.tree, cfg.num_heads)
+    tree = scoring_tree(heads)  # the held-out tau's tree: the serving tree, or one of its node budget
     vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None)
     identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world, seen)  # checked before any work
