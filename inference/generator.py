@@ -28,7 +28,7 @@ from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mod
 from .forward import ForwardContext
 from .lookup import LookupConfig
 from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
-from .measure import Calibration, cached_small_rows, measure_costs, resolve_auto
+from .measure import Calibration, announce_measuring, cached_small_rows, measure_costs, resolve_auto
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
 
@@ -46,6 +46,10 @@ class GenerationOutput:
     new_tokens: list[int]
     stats: GenerationStats
     text: str | None = None  # decoded new tokens, when a tokenizer is known
+
+
+class NoTrainedHeadsWarning(UserWarning):
+    """``from_pretrained`` found no trained heads for the backbone and drafts with prompt lookup alone."""
 
 
 class EmulatedBf16Warning(UserWarning):
@@ -122,13 +126,16 @@ class SpeculativeGenerator:
             raise ValueError("tree='auto' tunes the heads' trees: pass heads (or draft='lookup' without a tree)")
         gen = cls(model, heads, tokenizer=tokenizer, tree=None if calibration is not None else tree,
                   costs=None if costs == AUTO else costs, **kwargs)
+        heads_drafting = gen.heads if gen.draft in NEEDS_HEADS else None
+        if costs == AUTO:  # one line first, if anything is to be measured: what, why, where it is cached
+            announce_measuring(model, heads_drafting, gen.tree_settings, gen.draft_vocab)
         # the small-row plan first: the latency of tree='auto' and of the costs is measured as the verifies will run
         plan = (cached_small_rows(model) if costs == AUTO else dict(costs.small_rows) if costs is not None else {})
         if calibration is not None and gen.tree_settings is not None:
             gen.tree_settings = resolve_auto(model, gen.heads, tokenizer, plan, calibration, gen.tree_settings)
         if costs == AUTO:
-            gen._use_costs(measure_costs(model, gen.heads if gen.draft in NEEDS_HEADS else None, gen.tree_settings,
-                                         gen.draft_vocab, small_rows=plan))
+            gen._use_costs(measure_costs(model, heads_drafting, gen.tree_settings, gen.draft_vocab, small_rows=plan,
+                                         announce=False))
         return gen
 
     @classmethod
@@ -136,16 +143,24 @@ class SpeculativeGenerator:
                         dtype: torch.dtype | str = DEFAULT_DTYPE, tree=None, revision: str | None = None,
                         device: str | torch.device | None = "auto", **kwargs) -> "SpeculativeGenerator":
         """Load backbone (alias / folder / Hub id) and heads (folder / Hub id; default: the shipped ones), then
-        ``create`` (``costs="auto"`` unless given).
+        ``create`` (``costs="auto"`` unless given). A backbone without shipped heads drafts with prompt lookup alone
+        (``NoTrainedHeadsWarning``), unless ``draft`` asks for heads.
 
         device: where the backbone runs (``load_backbone``: "auto" takes the first CUDA GPU when there is one)."""
         if heads is None:
             heads = default_heads_path(backbone)
+            if heads is None and kwargs.get("draft", "lookup") != "lookup":
+                raise FileNotFoundError(f"no heads are shipped for backbone {backbone!r}: draft={kwargs['draft']!r} "
+                                        "needs heads=PATH_OR_REPO (draft='lookup' runs without)")
             if heads is None:
-                raise FileNotFoundError(f"no heads are shipped for backbone {backbone!r}; pass heads=PATH_OR_REPO")
+                warnings.warn(NoTrainedHeadsWarning(
+                    f"no trained heads are shipped for backbone {backbone!r}: drafting with prompt lookup alone; "
+                    "train heads for it or pass heads=PATH_OR_REPO"), stacklevel=2)
+                kwargs["draft"] = "lookup"
         model, tokenizer = load_backbone(backbone, dtype=dtype, device=device)
         warn_if_bf16_is_emulated(model)
-        return cls.create(model, load_heads(heads, revision=revision), tokenizer=tokenizer, tree=tree, **kwargs)
+        loaded = load_heads(heads, revision=revision) if heads is not None else None
+        return cls.create(model, loaded, tokenizer=tokenizer, tree=tree, **kwargs)
 
     def make_drafter(self):
         """A fresh drafter for one generation."""

@@ -21,15 +21,18 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConnectionErro
 
 
 def parse_flags(dataclass_type, argv: list[str] | None, description: str | None = None):
-    """The dataclass a script parses (``HfArgumentParser``); a value its ``__post_init__`` refuses ends the script
-    the argparse way: usage, one ``error:`` line, status 2."""
+    """The dataclass a script parses (``HfArgumentParser``). A flag argparse cannot parse ends the argparse way (usage,
+    then its error); a value the dataclass's ``__post_init__`` refuses ends in one ``error:`` line and status 2, the
+    way ``run_script`` ends any other bad input (the flags were well formed: a usage block would only bury the
+    reason)."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(dataclass_type, description=description)
     try:
         (args,) = parser.parse_args_into_dataclasses(argv)
     except ValueError as err:
-        parser.error(str(err))
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        parser.exit(2, f"error: {message}\n")
     return args
 
 

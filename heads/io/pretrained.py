@@ -14,7 +14,10 @@ def default_heads_path(backbone: str, kind: str | None = None) -> Path | None:
     """Folder of the shipped heads for a backbone alias (the default ones, or those of head ``kind``), or None.
 
     The default heads live in ``pretrained/<alias>/``; other kinds shipped beside them in ``pretrained/<alias>-<kind>/``.
+    A folder or a Hub id (anything with a path separator) has none: heads ship for aliases only.
     """
+    if not backbone or "/" in backbone or "\\" in backbone or backbone in (".", ".."):
+        return None
     if kind is None:
         path = PRETRAINED_DIR / backbone
         return path if (path / "config.json").is_file() else None

@@ -13,21 +13,29 @@ a value (``costs.Costs``, ``forward.ForwardContext``). Each measurement is cache
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+
+from tokenmaxx.heads import backbone_identity, cache_dir
+from tokenmaxx.heads.machine import device_name
 
 from ..costs import Costs
 from .autotune import Calibration, is_auto, resolve_auto
-from .latency import cached_latency, cached_propose_cost
-from .small_rows import cached_small_rows
+from .latency import LATENCY_SIZES, PREFIX_LENS, cached_latency, cached_propose_cost, latency_path, propose_path
+from .small_rows import SMALL_ROW_SIZES, cached_small_rows, small_rows_path
 
 
 def measure_costs(model, heads=None, tree=None, draft_vocab: bool = True, small_rows: dict | None = None,
-                  cache_root: Path | None = None, refresh: bool = False) -> Costs:
+                  cache_root: Path | None = None, refresh: bool = False, announce: bool = True) -> Costs:
     """This machine's ``Costs`` for drafting with ``heads`` (their tree settings ``tree``, parsed; None: their own)
     on ``model``: the small-row plan of the verifies, and with heads the verify latency and the heads' proposing
     seconds. Each part is read from the cache when it was measured before (``refresh``: measure again).
     ``small_rows``: a plan already measured (skips reading it again). Without heads (lookup drafting) only the plan:
-    lookup drafts cost nothing to propose and its branches are not sized by the latency."""
+    lookup drafts cost nothing to propose and its branches are not sized by the latency. ``announce``: say in one
+    line what is about to be measured (``announce_measuring``), if anything."""
+    if announce:
+        announce_measuring(model, heads, tree, draft_vocab, small_rows, cache_root, refresh)
     plan = small_rows if small_rows is not None else cached_small_rows(model, cache_root, refresh)
     if heads is None:
         return Costs(small_rows=plan)
@@ -36,5 +44,47 @@ def measure_costs(model, heads=None, tree=None, draft_vocab: bool = True, small_
     return Costs(latency=latency, propose_seconds=propose, small_rows=plan)
 
 
-__all__ = ["Calibration", "Costs", "cached_latency", "cached_propose_cost", "cached_small_rows", "is_auto",
+def announce_measuring(model, heads=None, tree=None, draft_vocab: bool = True, small_rows: dict | None = None,
+                       cache_root: Path | None = None, refresh: bool = False) -> str | None:
+    """One line on stderr before ``measure_costs`` measures anything: what it measures and why, about how much work,
+    where it is cached and how to skip it; nothing (None) when every part is read from the cache. Returns the line."""
+    parts, forwards = [], 0
+    plan_path = small_rows_path(model, cache_root) if small_rows is None else None
+    if plan_path is not None and (refresh or not plan_path.is_file()):
+        parts.append("which small verifies run faster with transposed products")
+        forwards += 8 * len(SMALL_ROW_SIZES) * 4  # rounds x sizes x ways (``measure_small_rows``)
+    if heads is not None:
+        # the latency's key holds the small-row plan: while the plan is still to be measured, so is the latency
+        plan_known = small_rows is not None or plan_path is None or (plan_path.is_file() and not refresh)
+        if plan_known and not refresh:
+            plan = small_rows if small_rows is not None else {} if plan_path is None else _cached_plan(plan_path)
+            latency_missing = not latency_path(model, plan, PREFIX_LENS, cache_root).is_file()
+        else:
+            latency_missing = True
+        if latency_missing:
+            parts.append(f"the verify latency of 1-{max(LATENCY_SIZES)} tree nodes over "
+                         f"{' and '.join(map(str, PREFIX_LENS))} cached tokens")
+            forwards += 7 * len(LATENCY_SIZES) * len(PREFIX_LENS)
+        if refresh or not propose_path(model, heads, tree, draft_vocab, cache_root).is_file():
+            parts.append("the heads' proposing time")
+            forwards += 48 + 24
+    if not parts:
+        return None
+    ident, _ = backbone_identity(model)
+    weight = model.get_output_embeddings().weight
+    line = (f"tokenmaxx: measuring this machine once for {ident or type(model).__name__} "
+            f"({str(weight.dtype).removeprefix('torch.')}, {device_name(weight.device)}): {'; '.join(parts)} - about "
+            f"{forwards} backbone forwards, so that each round's draft tree is sized to what a verify costs here. "
+            f"Cached in {cache_root or cache_dir() / 'calibration'} and reused for this backbone, dtype and machine; "
+            "costs=None (generate.py --adaptive_budget false) skips it")
+    print(line, file=sys.stderr)
+    return line
+
+
+def _cached_plan(path: Path) -> dict:
+    """A cached small-row plan, read without measuring (``cached_small_rows``' record)."""
+    return {int(n): part for n, part in json.loads(path.read_text())["plan"]}
+
+
+__all__ = ["announce_measuring", "Calibration", "Costs", "cached_latency", "cached_propose_cost", "cached_small_rows", "is_auto",
            "measure_costs", "resolve_auto"]

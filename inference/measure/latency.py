@@ -30,6 +30,7 @@ from .small_rows import VerifyTimer
 from .store import CALIBRATION_VERSION, backbone_key, cache_path, calibration_key, machine_fingerprint, write_record
 
 LATENCY_SIZES = (1, 2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+PREFIX_LENS = (256, 1024)  # cached tokens the verify latency is measured over (attention grows with them)
 
 
 @torch.inference_mode()
@@ -45,7 +46,7 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
     timer = VerifyTimer(model, prefix_len, max(sizes))
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in tqdm(range(repeats), desc=f"timing verifies of {min(sizes)}-{max(sizes)} tokens on this machine (once)",
+    for _ in tqdm(range(repeats), desc=f"verify latency of {min(sizes)}-{max(sizes)} tokens over {prefix_len} cached",
                   unit="round", leave=False):
         for n in sizes:
             times[n].append(timer.seconds(timer.draw(n), small_rows))
@@ -106,15 +107,21 @@ def _fit_curve(measured: dict[int, float], at: Iterable[int]) -> dict[int, float
     return dict(sorted(out.items()))
 
 
+def latency_path(model, small_rows: Plan = 0, prefix_lens: Sequence[int] = PREFIX_LENS,
+                 cache_root: Path | None = None) -> Path:
+    """Where this backbone's verify latency on this machine (verifies computed as ``small_rows`` says) is cached."""
+    key = backbone_key(model, machine_fingerprint(model), "latency", list(prefix_lens), CALIBRATION_VERSION, "median",
+                       plan_record(small_rows))
+    return cache_path(f"latency-{key}", cache_root)
+
+
 def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
-                   prefix_lens: Sequence[int] = (256, 1024), small_rows: Plan = 0) -> VerifyLatency:
+                   prefix_lens: Sequence[int] = PREFIX_LENS, small_rows: Plan = 0) -> VerifyLatency:
     """The fitted verify latency (``fit_latency`` of the median ``measure_latency``) of this backbone on this machine
     at a few cache lengths, measured once and cached; ``small_rows``: as the verifies compute their linear layers
     (``forward.transposed_linears``), part of the cache key."""
     machine = machine_fingerprint(model)
-    key = backbone_key(model, machine, "latency", list(prefix_lens), CALIBRATION_VERSION, "median",
-                       plan_record(small_rows))
-    path = cache_path(f"latency-{key}", cache_root)
+    path = latency_path(model, small_rows, prefix_lens, cache_root)
     if path.is_file() and not refresh:
         record = json.loads(path.read_text())
         return VerifyLatency({int(p): {int(n): s for n, s in table.items()} for p, table in record["tables"].items()})
@@ -176,14 +183,20 @@ def settings_key(tree) -> object:
     return tree if tree is None or isinstance(tree, (str, int, float)) else repr(tree)
 
 
+def propose_path(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None) -> Path:
+    """Where the proposing time of these heads, tree settings and draft vocabulary on this machine is cached."""
+    machine = machine_fingerprint(model)
+    key = calibration_key(model, heads, {**machine, "propose": settings_key(tree), "draft_vocab": bool(draft_vocab)})
+    return cache_path(f"propose-{key}", cache_root)
+
+
 def cached_propose_cost(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None,
                         refresh: bool = False) -> float:
     """Seconds the heads' drafter (``heads.drafter(model, tree, draft_vocab)``) takes to propose one tree on this
     machine (``measure_propose``), measured once per heads, tree settings and machine and cached. A cached number, not a clock read during generation: a seeded generation sized by it picks the same trees,
     hence the same samples, every time."""
     machine = machine_fingerprint(model)
-    key = calibration_key(model, heads, {**machine, "propose": settings_key(tree), "draft_vocab": bool(draft_vocab)})
-    path = cache_path(f"propose-{key}", cache_root)
+    path = propose_path(model, heads, tree, draft_vocab, cache_root)
     if path.is_file() and not refresh:
         return float(json.loads(path.read_text())["propose_seconds"])
     seconds = measure_propose(model, heads.drafter(model, tree=tree, draft_vocab=draft_vocab))

@@ -65,7 +65,7 @@ def measure_small_rows(model, sizes: Sequence[int] = SMALL_ROW_SIZES, prefix_len
     timer = VerifyTimer(model, prefix_len, max(sizes))
     ways = ("usual",) + PARTS
     times: dict[tuple[int, str], list[float]] = {(n, w): [] for n in sizes for w in ways}
-    rounds = tqdm(range(repeats + 1), desc="timing small verifies, usual and transposed, on this machine (once)",
+    rounds = tqdm(range(repeats + 1), desc=f"small-row products: verifies of {min(sizes)}-{max(sizes)} tokens, usual and transposed",
                   unit="round", leave=False)
     for _ in rounds:  # the first round warms every path up and is dropped
         for n in sizes:
@@ -89,15 +89,20 @@ def cached_small_rows(model, cache_root: Path | None = None, refresh: bool = Fal
     """This machine's plan for the backbone's verifies (``choose_small_rows`` of ``measure_small_rows``), measured once
     per backbone and machine and cached; empty on a GPU without measuring (its kernels have no such gap). A cached
     plan, so a seeded generation computes the same logits every time."""
-    weight = model.get_output_embeddings().weight
-    if weight.device.type != "cpu":
+    path = small_rows_path(model, cache_root)
+    if path is None:
         return {}
-    machine = machine_fingerprint(model)
-    key = backbone_key(model, machine, "small_rows", SMALL_ROW_SIZES, CALIBRATION_VERSION)
-    path = cache_path(f"small-rows-{key}", cache_root)
     if path.is_file() and not refresh:
         return {int(n): part for n, part in json.loads(path.read_text())["plan"]}
     measured = measure_small_rows(model)
     plan = choose_small_rows(measured)
-    write_record(path, {"plan": plan_record(plan), "measured": measured, "machine": machine})
+    write_record(path, {"plan": plan_record(plan), "measured": measured, "machine": machine_fingerprint(model)})
     return plan
+
+
+def small_rows_path(model, cache_root: Path | None = None) -> Path | None:
+    """Where this backbone's small-row plan on this machine is cached; None off the CPU (nothing to measure there)."""
+    if model.get_output_embeddings().weight.device.type != "cpu":
+        return None
+    key = backbone_key(model, machine_fingerprint(model), "small_rows", SMALL_ROW_SIZES, CALIBRATION_VERSION)
+    return cache_path(f"small-rows-{key}", cache_root)
