@@ -12,6 +12,7 @@ Bad input ends in one ``error: ...`` line and exit status 2; ``--debug`` (or ``T
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import dataclass, field
 
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
         return 0
     summary = {"backbone": args.backbone, "dtype": dtype, "threads": args.threads, "tree": tree_desc,
                "prompts": results, "mean_speedup": sum(r["speedup"] for r in results) / len(results),
+               "median_speedup": statistics.median(r["speedup"] for r in results),
                "identical": all(r["identical"] for r in results), "repeats": args.repeats}
     if args.json:
         print(json.dumps(summary))
@@ -222,7 +224,8 @@ def main(argv=None) -> int:
         if not result["identical"]:
             print(f"          first difference at new token {result['first_difference']}: "
                   f"{result['why_not_identical']}")
-    print(f"\nmean speedup over {len(results)} prompts: {summary['mean_speedup']:.2f}x   identical tokens: "
+    print(f"\nmean speedup over {len(results)} prompts: {summary['mean_speedup']:.2f}x (median "
+          f"{summary['median_speedup']:.2f}x)   identical tokens: "
           f"{summary['identical']} ({dtype}, {tree_desc})")
     return 0
 
