@@ -136,15 +136,15 @@ exec > >(tee "$OUT/gpu_check.log") 2>&1
 if [ $DRY = 1 ]; then
     DEV=cpu THREADS=2 DTYPE=auto
     PROMPTS=${GPU_CHECK_PROMPTS:-../shared/bench/spec_bench_dev.jsonl}
-    FAST=(tests/test_verify.py tests/test_greedy.py -x)
+    FAST=(tests/test_decoding.py tests/test_loop.py -x)
     ID_ARGS=(--limit 1 --max_new_tokens 12 --warmup 1) SIZES=1,2,4,8 REPEATS=2
     BENCH_ARGS=(--limit 1 --max_new_tokens 16 --warmup 1) BUDGET=(600 600 600 1500)  # s: fast, id, lat, bench (a slow CPU)
     AUTO=tokenmaxx:auto:prompts=2,tokens=16  # tree="auto" calibrated on toy text: the same steps, minutes sooner on a CPU
 else
     DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8 DTYPE=bfloat16
     PROMPTS=${GPU_CHECK_PROMPTS:-$STAGE/in/prompts.jsonl}
-    FAST=(tests/test_greedy.py tests/test_verify.py tests/test_tree.py tests/test_mtp.py tests/test_lookup.py
-          tests/test_sampling.py tests/test_threads.py)
+    FAST=(tests/test_loop.py tests/test_decoding.py tests/test_tree.py tests/test_mtp.py tests/test_lookup.py
+          tests/test_budget.py tests/test_sampling.py tests/test_generator.py)
     ID_ARGS=(--limit 1 --max_new_tokens 64 --warmup 1) SIZES=1,2,4,8,16,32,64,96,128 REPEATS=10
     BENCH_ARGS=(--limit 2 --max_new_tokens 128 --warmup 2) BUDGET=(140 100 40 180)  # seconds: fast, id, lat, bench (~8 min in all)
     AUTO=tokenmaxx:auto

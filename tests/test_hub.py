@@ -1,4 +1,4 @@
-"""Hub push / download against real servers on 127.0.0.1 (the card's rendering: test_model_card.py).
+"""Hub push / download against real servers on 127.0.0.1 (the card's rendering: test_card.py).
 
 Read side: olah (PyPI ``olah``, offline mode) serves the Hub's read API from git repositories in a temp folder (its
 ``mirrors-path``). Write side: ``hub_write_standin.HubWriteStandin``, the project's stand-in for the Hub's commit API,

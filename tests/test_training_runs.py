@@ -445,8 +445,10 @@ def test_train_prints_only_its_json_on_stdout_and_the_tree_nodes_its_heads_serve
            str(backbone_dir), "--feature_layers", "0", "1", "2", "--dtype", "float32", "--output_dir",
            str(tmp_path / "run"), "--seq_len", "48", "--max_steps", "2", "--warmup", "1", "--micro_batch_size", "4",
            "--grad_accum", "1", "--dynamic_tree", "dynamic:nodes=8", "--threads", "1"]
+    dist = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # this process's group: not the child's
+    env = {k: v for k, v in os.environ.items() if k not in dist}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                         env={**env, "TOKENIZERS_PARALLELISM": "false"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)  # the whole of stdout: one JSON object
     heads = load_heads(result["export_dir"])
