@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     # Warm up both paths once, then per prompt interleave: spec, plain, spec, plain... keeping each one's best time.
     gen.generate(input_ids, max_new_tokens=8)
     plain_generate(model, input_ids, 8)
-    results = [compare(gen, model, ids, args) for ids in prompts]
+    results = [compare(gen, model, ids, args, tree_desc) for ids in prompts]
     dtype = results[0]["dtype"]
     if len(results) == 1:
         result, = results
@@ -243,7 +243,7 @@ def read_prompts(path: str | None) -> list[str]:
     return prompts
 
 
-def compare(gen, model, input_ids, args) -> dict:
+def compare(gen, model, input_ids, args, tree_desc: str) -> dict:
     """Speculative against plain greedy generation of one prompt, ``args.repeats`` times interleaved, best kept: both
     speeds, the speedup, whether the tokens are identical (and if not, where and why)."""
     best_spec = best_plain = float("inf")
@@ -258,7 +258,7 @@ def compare(gen, model, input_ids, args) -> dict:
     s = spec.stats
     step_overhead = {k: v / s.steps for k, v in s.phase_seconds.items()} if s.steps else {}
     result = {
-        "backbone": args.backbone, "dtype": dtype, "threads": args.threads, "tree": gen.describe(),
+        "backbone": args.backbone, "dtype": dtype, "threads": args.threads, "tree": tree_desc,
         "prompt_tokens": input_ids.shape[1], "identical": identical,
         "speculative": {"tokens": s.new_tokens, "seconds": best_spec, "tokens_per_s": s.new_tokens / best_spec,
                         "mean_tau": s.mean_tau, "steps": s.steps, "seconds_per_step": step_overhead,

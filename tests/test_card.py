@@ -19,7 +19,6 @@ from huggingface_hub import ModelCard, ModelCardData, constants
 from huggingface_hub.repocard import metadata_load
 
 from tokenmaxx.heads import HeadsConfig, load_heads
-from tokenmaxx.heads.io import card as card_module
 from tokenmaxx.heads.io.backbones import BACKBONES
 from tokenmaxx.heads.io.card import (METHOD_LABELS, CardExistsError, card_methods, load_bench, method_label,
                                      render_model_card, save_model_card)

@@ -37,8 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, DynamicTreeConfig, HeadsConfig, backbone_identity, load_backbone, load_heads
-from tokenmaxx.heads.machine import cpu_isa, cpu_name, device_name
-from tokenmaxx.heads.machine import clock
+from tokenmaxx.heads.machine import clock, cpu_isa, cpu_name, device_name
 from tokenmaxx.heads.sequential import SequentialHeads
 
 from . import checkpoints

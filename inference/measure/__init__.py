@@ -13,7 +13,6 @@ a value (``costs.Costs``, ``forward.ForwardContext``). Each measurement is cache
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from tokenmaxx.heads.machine import device_name
 from ..costs import Costs
 from .autotune import Calibration, is_auto, resolve_auto
 from .latency import LATENCY_SIZES, PREFIX_LENS, cached_latency, cached_propose_cost, latency_path, propose_path
-from .small_rows import SMALL_ROW_SIZES, cached_small_rows, small_rows_path
+from .small_rows import SMALL_ROW_SIZES, cached_small_rows, read_plan, small_rows_path
 
 
 def measure_costs(model, heads=None, tree=None, draft_vocab: bool = True, small_rows: dict | None = None,
@@ -57,7 +56,7 @@ def announce_measuring(model, heads=None, tree=None, draft_vocab: bool = True, s
         # the latency's key holds the small-row plan: while the plan is still to be measured, so is the latency
         plan_known = small_rows is not None or plan_path is None or (plan_path.is_file() and not refresh)
         if plan_known and not refresh:
-            plan = small_rows if small_rows is not None else {} if plan_path is None else _cached_plan(plan_path)
+            plan = small_rows if small_rows is not None else {} if plan_path is None else read_plan(plan_path)
             latency_missing = not latency_path(model, plan, PREFIX_LENS, cache_root).is_file()
         else:
             latency_missing = True
@@ -79,11 +78,6 @@ def announce_measuring(model, heads=None, tree=None, draft_vocab: bool = True, s
             "costs=None (generate.py --adaptive_budget false) skips it")
     print(line, file=sys.stderr)
     return line
-
-
-def _cached_plan(path: Path) -> dict:
-    """A cached small-row plan, read without measuring (``cached_small_rows``' record)."""
-    return {int(n): part for n, part in json.loads(path.read_text())["plan"]}
 
 
 __all__ = ["announce_measuring", "Calibration", "Costs", "cached_latency", "cached_propose_cost", "cached_small_rows", "is_auto",

@@ -93,11 +93,16 @@ def cached_small_rows(model, cache_root: Path | None = None, refresh: bool = Fal
     if path is None:
         return {}
     if path.is_file() and not refresh:
-        return {int(n): part for n, part in json.loads(path.read_text())["plan"]}
+        return read_plan(path)
     measured = measure_small_rows(model)
     plan = choose_small_rows(measured)
     write_record(path, {"plan": plan_record(plan), "measured": measured, "machine": machine_fingerprint(model)})
     return plan
+
+
+def read_plan(path: Path) -> dict[int, str]:
+    """A cached small-row plan (``cached_small_rows``' record), read without measuring."""
+    return {int(n): part for n, part in json.loads(path.read_text())["plan"]}
 
 
 def small_rows_path(model, cache_root: Path | None = None) -> Path | None:
