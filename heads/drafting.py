@@ -63,3 +63,5 @@ class Outcome:
     hidden: torch.Tensor  # [m+1, F] backbone states at the accepted nodes, as in Prefill (the next round reads the
     # last)
     emitted: list[int]  # what the round added to the output (``tokens`` cut at EOS / max_new_tokens)
+    path: list[int]  # ``nodes`` as a list
+    token_ids: torch.Tensor  # [m+1] long: ``tokens`` on the backbone's device (its last: the next round's root)

@@ -7,28 +7,30 @@ tokens, each given its ancestors). One level:
 2. each frontier node is expanded with its ``topk`` best children (one draft-module call for the whole frontier);
 3. the ``topk * topk`` children become the next level's candidates.
 
+Everything is a tensor on the draft's device (``grow_tree``): the frontier is always ``topk`` nodes wide, its nodes
+that cannot enter the kept set are computed but their children dropped, and the tree's buffers are built there
+(``tree.device_buffers``), so a round drafts without reading the draft back to the host.
+
 After ``depth`` levels the tree keeps the ``nodes - 1`` best candidates overall (plus the root). A child's score is at
 most its parent's (log-probs are <= 0), and ties go to the shallower node, so the kept set always contains each kept
 node's parent. Growth stops early once no frontier node can still enter the kept set, or once the frontier's total
 draft probability (by the draft's own estimate, the chance that the backbone's path reaches a node the next level
 would expand) is below ``min_mass``: each level costs one module pass and one vocabulary projection, more than a level
 that is rarely reached gives back (docs/benchmarks.md).
-The tree is compiled into the same buffers as static trees (``tree.compile_buffers``) and verified, accepted and
-committed by the same code.
+The tree's buffers have the same fields as static trees' and are verified, accepted and committed by the same code.
 
-``expand_tree`` is the pure algorithm (any child-log-prob function); the sequential kinds' drafter
+``grow_tree`` is the pure algorithm (any child-log-prob function); the sequential kinds' drafter
 (``sequential.SequentialDrafter``, for EAGLE-3, the default kind, and MTP) runs it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
-from .tree import TreeBuffers, compile_buffers
+from .tree import TreeBuffers, device_buffers
 
 MIN_MASS = 0.5  # default min_mass, chosen on inference.measure.autotune.CALIBRATION_PROMPTS (smollm2-135m/RECIPE.md)
 
@@ -92,64 +94,86 @@ class DynamicTreeConfig:
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [N] long, node 0 = root; on the draft log-probs' device
-    buffers: TreeBuffers  # compiled on the CPU (``TreeBuffers.to``)
+    buffers: TreeBuffers  # built on that device too (``tree.device_buffers``)
     scores: torch.Tensor  # [N] cumulative draft log-prob (0 for the root); on the draft log-probs' device
 
 
 @dataclass
-class Candidates:
-    """Every node drafted so far, by candidate index (creation order): level 1 first, then each expansion."""
+class Frontier:
+    """The nodes one level expands (one draft-module call), handed to ``grow_tree``'s ``expand``. F nodes, all at
+    depth ``level``; every tensor on the draft's device."""
 
-    tokens: list[int]
-    scores: list[float]  # cumulative draft log-prob of the path
-    parent: list[int]  # candidate index of the parent, -1 = the root
-    level: list[int]  # tree depth (1 = child of the root)
+    level: int  # depth of these nodes (1: the root's children)
+    tokens: torch.Tensor  # [F] long: each node's token id
+    parent_slot: torch.Tensor  # [F] long: row of each node's parent in the previous level's frontier (-1: the root)
+    ancestors: torch.Tensor  # [F, level-1] long: row of each node's ancestor in the frontiers of levels 1..level-1
+    live: torch.Tensor  # [F] bool: nodes whose children can still be kept (the others' children are dropped)
 
 
-def expand_tree(root: int, root_logprobs: torch.Tensor,
-                child_logprobs: Callable[[list[int], Candidates], torch.Tensor],
-                topk: int, depth: int, nodes: int, token_ids: torch.Tensor | None = None,
-                min_mass: float = 0.0) -> DraftTree:
-    """Grow a draft tree (see the module docstring).
+def grow_tree(root: torch.Tensor | int, root_logprobs: torch.Tensor,
+              expand: Callable[[Frontier], torch.Tensor], topk: int, depth: int, nodes: int,
+              token_ids: torch.Tensor | None = None, min_mass: float = 0.0, stop_early: bool = True) -> DraftTree:
+    """Grow a draft tree (see the module docstring) with tensors on ``root_logprobs``' device.
 
-    root_logprobs [V]: draft log-probs of the root's children. ``child_logprobs(frontier, candidates)`` gets the
-    frontier's candidate indices and all candidates so far, and returns the frontier's children's log-probs
-    [len(frontier), V]. ``token_ids`` [V]: the token id of each log-prob column when they cover a draft vocabulary
-    (default: column = token id). A level whose frontier's probabilities sum below ``min_mass`` is not drafted.
-    Returns the tree, nodes ordered by depth, then score, its tensors on ``root_logprobs``' device.
+    root: the root token ([1] long tensor on that device, or an int). root_logprobs [V]: draft log-probs of the root's
+    children. ``expand(frontier)`` returns the frontier's children's log-probs [F, V]. ``token_ids`` [V]: the token
+    id of each log-prob column when they cover a draft vocabulary (default: column = token id).
+
+    ``stop_early``: each level first asks whether any frontier node can still enter the kept set and whether the
+    frontier holds ``min_mass`` of the draft's probability, and stops if not: one host read per level. Without it
+    (a device where a read waits for the queue to drain) every level is drafted and nothing is read: a node that
+    cannot enter has its children dropped all the same, so the kept set is the one the checks give with
+    ``min_mass`` = 0. Shapes never depend on the draft's values. Returns the tree, nodes ordered by depth, then
+    score (ties: creation order), its tensors and buffers on the device.
     """
     device = root_logprobs.device
-    ids = (lambda idx: token_ids[idx].tolist()) if token_ids is not None else (lambda idx: idx.tolist())
+    ids = (lambda idx: token_ids[idx]) if token_ids is not None else (lambda idx: idx)
+    if not isinstance(root, torch.Tensor):
+        root = torch.tensor([root], dtype=torch.long, device=device)
     top = root_logprobs.float().topk(min(topk, root_logprobs.numel()))
-    cands = Candidates(tokens=ids(top.indices), scores=top.values.tolist(), parent=[-1] * top.indices.numel(),
-                       level=[1] * top.indices.numel())
-    scores = cands.scores
-    frontier = list(range(len(scores)))
-    budget = nodes - 1
+    width = top.indices.numel()
+    tokens, scores = [ids(top.indices)], [top.values]  # per block: level 1, then each expansion's children
+    parents = [top.indices.new_full((width,), -1)]  # candidate index of each candidate's parent (-1: the root)
+    levels = [top.indices.new_full((width,), 1)]
+    frontier = Frontier(level=1, tokens=tokens[0], parent_slot=parents[0], ancestors=parents[0][:, None][:, :0],
+                        live=torch.ones(width, dtype=torch.bool, device=device))
+    slots, front_scores = torch.arange(width, device=device), top.values  # the frontier's candidate indices, scores
+    count, budget, drafted = width, nodes - 1, 1  # candidates so far; nodes kept beside the root; levels drafted
     for d in range(2, depth + 1):
-        if budget <= 0 or not frontier:
+        if budget <= 0:
             break
-        floor = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else float("-inf")
-        frontier = [c for c in frontier if scores[c] > floor]  # only these can still add kept nodes
-        if not frontier:
-            break
-        if sum(math.exp(scores[c]) for c in frontier) < min_mass:
-            break  # the draft itself expects too little of this level for what one more module pass costs
-        logprobs = child_logprobs(frontier, cands).float()  # [F, V]
+        floor = torch.cat(scores).topk(budget).values[-1] if count >= budget else None
+        live = front_scores > floor if floor is not None else torch.ones_like(front_scores, dtype=torch.bool)
+        if stop_early:
+            mass = torch.where(live, front_scores.exp(), 0.0).sum()
+            if not bool(live.any() & (mass >= min_mass)):
+                break  # nothing left to enter, or the draft expects too little of this level for one more pass
+        frontier.live = live
+        logprobs = expand(frontier).float()  # [F, V]
         top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
-        child_scores = (torch.tensor([scores[c] for c in frontier], device=device)[:, None]
-                        + top.values).tolist()  # [F, k]
-        first = len(scores)
-        for row, c in enumerate(frontier):
-            cands.tokens.extend(ids(top.indices[row]))
-            scores.extend(child_scores[row])
-            cands.parent.extend([c] * top.indices.shape[1])
-            cands.level.extend([d] * top.indices.shape[1])
-        frontier = sorted(range(first, len(scores)), key=lambda c: -scores[c])[:topk]
-    kept = sorted(range(len(scores)), key=lambda c: (-scores[c], cands.level[c], c))[:budget]
-    kept.sort(key=lambda c: (cands.level[c], -scores[c], c))  # parents before children
-    node_of = {c: i + 1 for i, c in enumerate(kept)}
-    parents = [0] + [node_of[cands.parent[c]] if cands.parent[c] >= 0 else 0 for c in kept]
-    return DraftTree(tokens=torch.tensor([root] + [cands.tokens[c] for c in kept], dtype=torch.long, device=device),
-                     buffers=compile_buffers(parents),
-                     scores=torch.tensor([0.0] + [scores[c] for c in kept], device=device))
+        child_scores = (front_scores[:, None] + top.values).masked_fill(~live[:, None], float("-inf"))  # [F, k]
+        fanout = top.indices.shape[1]
+        block_scores = child_scores.flatten()
+        tokens.append(ids(top.indices).flatten())
+        scores.append(block_scores)
+        parents.append(slots.repeat_interleave(fanout))
+        levels.append(torch.full_like(block_scores, d, dtype=torch.long))
+        # the next frontier: the best children (ties: creation order)
+        order = torch.sort(block_scores, descending=True, stable=True).indices[:topk]
+        parent_slot = order // fanout
+        frontier = Frontier(level=d, tokens=tokens[-1][order], parent_slot=parent_slot,
+                            ancestors=torch.cat([frontier.ancestors[parent_slot], parent_slot[:, None]], dim=1),
+                            live=live)
+        slots, front_scores = count + order, block_scores[order]
+        count += block_scores.numel()
+        drafted = d
+    all_scores = torch.cat(scores)
+    # the best nodes overall (ties: shallower, then created first), then ordered by depth: parents before children
+    kept = torch.sort(all_scores, descending=True, stable=True).indices[:budget]
+    kept = kept[torch.sort(torch.cat(levels)[kept], stable=True).indices]
+    node_of = torch.zeros(count + 1, dtype=torch.long, device=device)  # candidate index + 1 -> node (0: the root)
+    node_of[kept + 1] = torch.arange(1, kept.numel() + 1, device=device)
+    tree_parents = torch.cat([node_of[:1], node_of[torch.cat(parents)[kept] + 1]])
+    return DraftTree(tokens=torch.cat([root.to(torch.long), torch.cat(tokens)[kept]]),
+                     buffers=device_buffers(tree_parents, drafted),
+                     scores=torch.cat([all_scores[:1] * 0, all_scores[kept]]))

@@ -67,3 +67,11 @@ def clock(device: torch.device) -> float:
     (the decode loop's phases, calibrations, benchmarks, training steps) reads it."""
     synchronize(device)
     return time.perf_counter()
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """Whether reading a value of a tensor on ``device`` back to Python costs nothing beyond the read: true where the
+    work is done when the call returns (the CPU). On an accelerator a read waits for all the work queued before it,
+    so a round that reads mid-way stops feeding the device; drafters that could stop early on a value they read
+    skip those reads there."""
+    return device.type in UNQUEUED

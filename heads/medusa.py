@@ -144,6 +144,7 @@ class MedusaDrafter:
         self.use_vocab = bool(draft_vocab) and heads.draft_vocab is not None and heads.config.share_lm_head
         self.vocab: DraftVocab | None = None
         self.hidden: torch.Tensor | None = None  # [H] backbone state at the last accepted position
+        self.root_token: torch.Tensor | None = None  # [1] long: the next root on the device (from ``observe``)
 
     @property
     def nodes(self) -> int:
@@ -157,6 +158,7 @@ class MedusaDrafter:
         self.vocab = DraftVocab.for_prompt(self.heads.draft_vocab, self.lm_head, prefill.input_ids) \
             if self.use_vocab else None
         self.hidden = prefill.hidden[-1]
+        self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)
 
     def propose(self, root: int, room: int) -> Draft:
         tree = self.tree.truncate(room)
@@ -169,10 +171,11 @@ class MedusaDrafter:
         else:
             logits = self.heads.draft_logits(self.hidden, self.lm_head)[: buffers.depth]  # [D, V]
             topk = logits.topk(buffers.topk, dim=-1).indices  # [D, k]
-        flat = torch.cat([torch.tensor([root], dtype=torch.long, device=self.device), topk.flatten()])  # [1 + D*k]
+        flat = torch.cat([self.root_token, topk.flatten()])  # [1 + D*k]
         tokens = flat[buffers.to(self.device).token_index]  # [N]
         return Draft(tokens=tokens, buffers=buffers, sources=torch.full_like(tokens, HEADS),
                      values=static_values(tree, self.device))
 
     def observe(self, outcome: Outcome) -> None:
         self.hidden = outcome.hidden[-1]
+        self.root_token = outcome.token_ids[-1:]

@@ -27,7 +27,8 @@ from transformers import DynamicCache
 from .attention import UNROLLED, shared_kv_kwargs
 from .draft_vocab import DraftVocab
 from .drafting import HEADS, Draft, Outcome, Prefill
-from .dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
+from .machine import reads_are_free
+from .dynamic_tree import DynamicTreeConfig, Frontier, grow_tree
 from .modeling import DraftHeads
 
 
@@ -162,7 +163,8 @@ class SequentialDrafter:
     (which adds the accepted positions to the module cache through ``advance``).
     """
 
-    def __init__(self, heads: SequentialHeads, model, config: DynamicTreeConfig, draft_vocab: bool = True):
+    def __init__(self, heads: SequentialHeads, model, config: DynamicTreeConfig, draft_vocab: bool = True,
+                 stop_early: bool | None = None):
         self.heads, self.config = heads, config
         self.feature_layers = heads.feature_layers  # what the loop hands to start / observe as backbone states
         self.embed = model.get_input_embeddings()
@@ -175,6 +177,9 @@ class SequentialDrafter:
         self.cache = DynamicCache()
         self.next_position = 0  # position id of the next anchor
         self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
+        self.root_token: torch.Tensor | None = None  # [1] long: the next root on the device (from ``observe``)
+        # whether tree growth reads the frontier back to stop early (``grow_tree``); None: where reads cost nothing
+        self.stop_early = reads_are_free(self.device) if stop_early is None else stop_early
 
     @property
     def nodes(self) -> int:
@@ -190,11 +195,11 @@ class SequentialDrafter:
 
     def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
-        """Module pass for n queries. prev [n, H], tokens [n] and positions [n] on the device; visible [n, C+n] bool
-        over (cache, queries), built on the CPU. Returns states [n, H]."""
+        """Module pass for n queries. prev [n, H], tokens [n], positions [n] and visible [n, C+n] bool over (cache,
+        queries), all on the device. Returns states [n, H]."""
         dtype = self.heads.dtype
         mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+n]
-        mask[0, 0].masked_fill_(~visible.to(self.device), torch.finfo(dtype).min)
+        mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
         return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache,
                                **self.attention)[0]
 
@@ -211,19 +216,20 @@ class SequentialDrafter:
         first = max(0, prompt_len - 1 - self.heads.config.num_heads)
         self.cache = DynamicCache()
         self.next_position = first
-        nxt = torch.cat([input_ids[first + 1:], torch.tensor([prefill.root], dtype=torch.long, device=self.device)])
-        self.advance(hidden[first:], nxt)
+        self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)
+        self.advance(hidden[first:], torch.cat([input_ids[first + 1:], self.root_token]))
 
     def observe(self, outcome: Outcome) -> None:
-        """The module cache learns the accepted positions."""
-        self.advance(outcome.hidden, torch.tensor(outcome.tokens, device=self.device))
+        """The module cache learns the accepted positions; the round's last token is the next root."""
+        self.advance(outcome.hidden, outcome.token_ids)
+        self.root_token = outcome.token_ids[-1:]
 
     def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Add anchors: hidden [n, F] backbone features at the next n positions, next_tokens [n] the token after
         each."""
         n, cached = hidden.shape[0], self.cached
-        visible = torch.ones(n, cached + n, dtype=torch.bool, device="cpu")  # [n, C+n]
-        visible[:, cached:] = torch.ones(n, n, dtype=torch.bool, device="cpu").tril()
+        visible = torch.ones(n, cached + n, dtype=torch.bool, device=self.device)  # [n, C+n]
+        visible[:, cached:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(self.next_position, self.next_position + n, device=self.device)  # [n]
         tokens = torch.as_tensor(next_tokens, dtype=torch.long, device=self.device)  # [n]
         states = self._run(self.heads.lift(hidden), tokens, positions, visible)  # lift and step cast to the module dtype
@@ -239,39 +245,37 @@ class SequentialDrafter:
         return torch.log_softmax(logits.float(), dim=-1)
 
     def propose(self, root: int, room: int) -> Draft:
-        """A dynamic tree below ``root`` at most ``room`` deep. Leaves the module cache as it found it."""
+        """A dynamic tree below ``root`` at most ``room`` deep, grown on the device (``dynamic_tree.grow_tree``; the
+        root token is the device copy ``observe`` kept). Leaves the module cache as it found it."""
         depth = min(self.depth, room)
         if depth <= 0 or self.config.nodes <= 1:
             return Draft.root_only(root, self.device)
         cached = self.cached
         anchor = self.next_position - 1  # the newest anchor's position: a depth-d node's query sits at anchor + d
-        entry: dict[int, int] = {}  # expanded candidate -> its module cache entry (counted from ``cached``)
-        output: dict[int, torch.Tensor] = {}  # expanded candidate -> output state of its query [H]
+        outputs: list[torch.Tensor] = []  # per expanded level: its frontier's output states [F, H]
+        widths: list[int] = []  # per expanded level: its frontier's width (module cache entries appended)
 
-        def child_logprobs(frontier: list[int], cands: Candidates) -> torch.Tensor:
-            entries, f = len(entry), len(frontier)
-            visible = torch.zeros(f, cached + entries + f, dtype=torch.bool, device="cpu")  # [F, C+E+F]
+        def expand(frontier: Frontier) -> torch.Tensor:
+            f = frontier.tokens.shape[0]
+            rows = torch.arange(f, device=self.device)
+            visible = torch.zeros(f, cached + sum(widths) + f, dtype=torch.bool, device=self.device)  # [F, C+E+F]
             visible[:, :cached] = True  # accepted anchors (including this chain's depth-1 entry)
-            for row, c in enumerate(frontier):
-                p = cands.parent[c]
-                while p >= 0:  # ancestors' entries: every ancestor of a frontier node was expanded
-                    visible[row, cached + entry[p]] = True
-                    p = cands.parent[p]
-                visible[row, cached + entries + row] = True
-            prev = torch.stack([output[cands.parent[c]] if cands.parent[c] >= 0 else self.last_state
-                                for c in frontier])  # [F, H]
-            toks = torch.tensor([cands.tokens[c] for c in frontier], dtype=torch.long, device=self.device)  # [F]
-            positions = torch.tensor([anchor + cands.level[c] for c in frontier], device=self.device)  # [F]
-            out = self._run(prev, toks, positions, visible)  # [F, H]
-            for row, c in enumerate(frontier):
-                entry[c] = entries + row
-                output[c] = out[row]
+            offset = cached
+            for level, width in enumerate(widths):  # each node's ancestor among the entries of each earlier level
+                visible[rows, offset + frontier.ancestors[:, level]] = True
+                offset += width
+            visible[rows, offset + rows] = True
+            prev = self.last_state.expand(f, -1) if not outputs else outputs[-1][frontier.parent_slot]  # [F, H]
+            positions = torch.full((f,), anchor + frontier.level, device=self.device)  # [F]
+            out = self._run(prev, frontier.tokens, positions, visible)  # [F, H]
+            outputs.append(out)
+            widths.append(f)
             return self._logprobs(out)  # [F, V or Vd]
 
         try:
-            grown = expand_tree(root, self._logprobs(self.last_state), child_logprobs, self.config.topk, depth,
-                                self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
-                                min_mass=self.config.min_mass)
+            grown = grow_tree(self.root_token, self._logprobs(self.last_state), expand, self.config.topk, depth,
+                              self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
+                              min_mass=self.config.min_mass, stop_early=self.stop_early)
         finally:
             if self.cached > cached:  # drop the tree's entries (crop takes a negative count in transformers 5)
                 self.cache.crop(cached - self.cached)

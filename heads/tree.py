@@ -21,20 +21,24 @@ _TENSOR_FIELDS = ("depths", "parents", "attn_mask", "token_index", "retrieve")  
 
 @dataclass(frozen=True)
 class TreeBuffers:
-    """Compiled tree. N nodes (root included), P leaf paths, D = depth, k = top-k taken from each head.
+    """Compiled tree. N nodes (root included), P paths, D = depth, k = top-k taken from each head.
 
-    Compiled on the CPU, where the drafters' Python-side logic reads them; ``to(device)`` is the copy that builds the
-    backbone's mask and position ids and indexes its outputs (made once per device, then kept with these buffers).
+    Two ways to build them: ``compile_buffers`` on the CPU from a Python list of parents (static trees, trees merged
+    on the host), with one ``retrieve`` row per leaf; ``device_buffers`` on the device from a parents tensor (dynamic
+    trees grown there), with one row per node, so that no shape depends on the tree's values and nothing is read
+    back. The rows only list paths: acceptance takes the longest agreeing one either way. ``to(device)`` is the copy
+    of CPU-built buffers that meets the backbone's tensors (made once per device, then kept with these buffers).
     """
 
     depths: torch.Tensor  # [N] long: 0 for the root; also the position offset of each node
     parents: torch.Tensor  # [N] long: parent node index (the root is its own parent)
     attn_mask: torch.Tensor  # [N, N] bool: node i may attend to node j (j is i or an ancestor of i)
     token_index: torch.Tensor  # [N] long: index into cat([root], head_topk[:D].flatten()) for each node's token
-    retrieve: torch.Tensor  # [P, D+1] long: node indices along each root-to-leaf path, padded with -1
+    retrieve: torch.Tensor  # [P, D+1] long: node indices along root-to-node paths (each leaf's, or each node's),
+    # padded with -1
     topk: int  # candidates taken from each head (max rank + 1)
-    children: tuple[tuple[int, ...], ...]  # per node: its children's node indices, best rank first
     _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> ``to``'s copy
+    _children: list = field(default_factory=list, init=False, repr=False, compare=False)  # ``children``, once read
 
     def to(self, device: torch.device | str) -> "TreeBuffers":
         """These buffers with their tensors on ``device``: themselves where they already are, else a copy made on
@@ -45,12 +49,26 @@ class TreeBuffers:
         copy = self._copies.get(device)
         if copy is None:
             copy = dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in _TENSOR_FIELDS})
+            if self.parents.device.type == "cpu":  # the children as the CPU reads them, not read back from the device
+                copy._children.append(self.children)
             self._copies[device] = copy
         return copy
 
     @property
     def num_nodes(self) -> int:
         return self.depths.shape[0]
+
+    @property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Per node: its children's node indices in node order (static trees: best rank first). Read from
+        ``parents`` on first use (a host read for device-built buffers: the sampling rule walks the tree in Python)."""
+        if not self._children:
+            parents = self.parents.tolist()
+            kids: list[list[int]] = [[] for _ in parents]
+            for node, parent in enumerate(parents[1:], start=1):
+                kids[parent].append(node)
+            self._children.append(tuple(map(tuple, kids)))
+        return self._children[0]
 
     @property
     def depth(self) -> int:
@@ -140,9 +158,31 @@ def compile_buffers(parents: Sequence[int], token_index: Sequence[int] | None = 
             retrieve[row, d] = node
             node = parents[node]
     return TreeBuffers(depths=torch.tensor(depths, device="cpu"), parents=torch.tensor(list(parents), device="cpu"),
-                       attn_mask=attn_mask, retrieve=retrieve, topk=topk, children=tuple(map(tuple, children)),
+                       attn_mask=attn_mask, retrieve=retrieve, topk=topk,
                        token_index=torch.tensor(list(token_index) if token_index is not None else range(n),
                                                 device="cpu"))
+
+
+def device_buffers(parents: torch.Tensor, depth: int) -> TreeBuffers:
+    """Buffers of a tree from its parents tensor [N] (node 0 the root, its own parent; a parent precedes its
+    children), built where ``parents`` lives without reading it: ``depth`` (at least the tree's depth) bounds the
+    walks up the tree and sets ``retrieve``'s width, which holds one row per node."""
+    n, device = parents.shape[0], parents.device
+    nodes = torch.arange(n, device=device)
+    up = nodes.clone()
+    attn_mask = torch.eye(n, dtype=torch.bool, device=device)
+    depths = torch.zeros(n, dtype=torch.long, device=device)
+    for _ in range(depth):  # after step s, ``up`` is each node's ancestor s levels up (the root once it is reached)
+        depths += up != 0
+        up = parents[up]
+        attn_mask[nodes, up] = True
+    retrieve = torch.full((n, depth + 1), -1, dtype=torch.long, device=device)
+    up = nodes.clone()
+    for _ in range(depth + 1):  # each node's path, written at its ancestors' depths (the root's row stays [0])
+        retrieve.scatter_(1, depths[up][:, None], up[:, None])
+        up = parents[up]
+    return TreeBuffers(depths=depths, parents=parents, attn_mask=attn_mask, retrieve=retrieve, topk=1,
+                       token_index=nodes)
 
 
 @lru_cache(maxsize=64)
@@ -227,3 +267,19 @@ def parse_tree(spec: str | Tree | Sequence[Sequence[int]] | None, num_heads: int
         raise ValueError(f"unknown tree spec {spec!r}: expected 'default', 'chain:K', a JSON list of paths, "
                          "or a JSON file of paths")
     return Tree(spec)
+
+
+def host_tree(device: torch.device, parents: Sequence[int], *rows: Sequence[float]
+              ) -> tuple[TreeBuffers, list[torch.Tensor]]:
+    """A tree made on the host (Python lists: ``parents`` and per-node ``rows`` such as tokens, sources, values) on
+    ``device`` in ONE copy: the buffers (``device_buffers``, their ``children`` known without a read) and each row
+    as a float64 tensor [N] (integers below 2**53 are exact; cast them with ``.long()``)."""
+    depths = [0] * len(parents)
+    kids: list[list[int]] = [[] for _ in parents]
+    for node in range(1, len(parents)):
+        depths[node] = depths[parents[node]] + 1
+        kids[parents[node]].append(node)
+    packed = torch.tensor([list(parents), *map(list, rows)], dtype=torch.float64, device=device)  # [1 + R, N]
+    buffers = device_buffers(packed[0].long(), max(depths))
+    buffers._children.append(tuple(map(tuple, kids)))
+    return buffers, list(packed[1:])

@@ -12,16 +12,17 @@ paying for their proposing time and their nodes' verify time sit rounds out (``H
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
 
 from tokenmaxx.heads.drafting import HEADS, LOOKUP, Draft, Outcome, Prefill
-from tokenmaxx.heads.tree import TreeBuffers, compile_buffers
+from tokenmaxx.heads.tree import TreeBuffers, host_tree
 
 from .costs import VerifyLatency, interpolate
-from .lookup import LookupConfig, NgramIndex, merge_branches
+from .lookup import LookupConfig, NgramIndex, merge_lists
 
 
 DEPTH_BUCKETS = (1, 2, 3, 5, 9, 17)  # depth groups that share an estimate: 1, 2, 3-4, 5-8, 9-16, 17+
@@ -193,6 +194,8 @@ class SharedTree(NamedTuple):
     heads_values: torch.Tensor  # [N] the heads' own (unscaled) value of each kept node; 0 for lookup-only nodes
     branch_nodes: list[list[int]]  # per branch: the kept nodes along it, from the root's child down
     values: torch.Tensor  # [N] each kept node's worth: max(calibrated heads value, lookup value); root 1
+    source_list: list[int]  # ``sources`` as the host has them
+    heads_total: float  # the sum of ``heads_values`` over the candidates (the heads' expected accepted tokens)
 
 
 def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branches: list[list[int]],
@@ -208,43 +211,57 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
     count, measured on this machine) the budget itself is chosen per step: the n <= budget that maximises
     (1 + sum of the n-1 best values) / (latency(n) + overhead), i.e. expected tokens per second of a round that also
     spends ``overhead`` seconds drafting (the heads' proposing time when they ran: a dearer round makes extra nodes
-    relatively cheaper). The tensors returned are on the device of ``tokens`` and ``values``.
+    relatively cheaper).
+
+    The heads' tree is read to the host once (a few dozen numbers), merged and cut there, and the kept tree copied
+    back once (``tree.host_tree``): the tensors returned are on the device of ``tokens``.
     """
+    return share_lists(tokens.device, *read_tree(tokens, buffers, values), branches, p_lookup, budget, latency,
+                       heads_scale, overhead)
+
+
+def read_tree(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor
+              ) -> tuple[list[int], list[int], list[float]]:
+    """A drafted tree's tokens, parents and values as lists, in one read."""
+    rows = torch.stack([tokens.double(), buffers.to(tokens.device).parents.double(), values.double()]).tolist()
+    return [int(t) for t in rows[0]], [int(p) for p in rows[1]], rows[2]
+
+
+def share_lists(device: torch.device, tokens: list[int], parents: list[int], values: list[float],
+                branches: list[list[int]], p_lookup: Sequence[float | Sequence[float]], budget: int,
+                latency: dict[int, float] | None = None, heads_scale: float = 1.0,
+                overhead: float = 0.0) -> SharedTree:
+    """``share_budget`` on a heads tree the host holds as lists (node 0 the root); the kept tree goes to ``device``."""
     if len(p_lookup) < len(branches):
         raise ValueError(f"{len(branches)} lookup branches but {len(p_lookup)} reliabilities")
-    merged, merged_buffers, sources, paths = merge_branches(tokens, buffers, branches)
-    device, n_heads = tokens.device, tokens.numel()
-    depths = merged_buffers.depths.float()
-    own = torch.cat([values.float(), torch.zeros(merged.numel() - n_heads, device=device)])  # heads' values, unscaled
-    worth = (own * heads_scale).clamp(max=1.0)
-    lookup_worth = torch.zeros(merged.numel(), device=device)  # per node: the best value of the branches through it
-    for path, p in zip(paths, p_lookup):
-        if path:
-            index = torch.tensor(path, device=device)
-            if isinstance(p, (int, float)):
-                depth = torch.arange(1, len(path) + 1, dtype=torch.float, device=device)  # [len(path)]
-                branch_values = torch.tensor(float(p), device=device) ** depth
-            else:
-                if len(p) < len(path):
-                    raise ValueError(f"a lookup branch of {len(path)} tokens has only {len(p)} values")
-                branch_values = torch.tensor([float(v) for v in p[:len(path)]], device=device)
-            lookup_worth[index] = torch.maximum(lookup_worth[index], branch_values)
-    worth = torch.maximum(worth, lookup_worth)
-    values = worth.clone()
-    values[0] = 1.0
+    n_heads = len(tokens)
+    merged, merged_parents, sources, paths = merge_lists(tokens, parents, branches)
+    n = len(merged)
+    depths = [0] * n
+    for node in range(1, n):
+        depths[node] = depths[merged_parents[node]] + 1
+    own = [float(v) for v in values] + [0.0] * (n - n_heads)  # the heads' values, unscaled
+    worth = [min(v * heads_scale, 1.0) for v in own]
+    for path, p in zip(paths, p_lookup):  # per node: the best value of the branches through it
+        if not path:
+            continue
+        if isinstance(p, (int, float)):
+            branch_values = [float(p) ** j for j in range(1, len(path) + 1)]
+        else:
+            if len(p) < len(path):
+                raise ValueError(f"a lookup branch of {len(path)} tokens has only {len(p)} values")
+            branch_values = [float(v) for v in p[:len(path)]]
+        for node, value in zip(path, branch_values):
+            worth[node] = max(worth[node], value)
+    kept_values = [1.0] + worth[1:]
     worth[0] = float("inf")  # the root always stays
-    worth_list, depth_list = worth.tolist(), depths.tolist()
-    ranked = sorted(range(merged.numel()), key=lambda i: (-worth_list[i], depth_list[i], i))
+    ranked = sorted(range(n), key=lambda i: (-worth[i], depths[i], i))
     if latency is not None:
-        gains = worth[ranked[1:budget]].cumsum(0).tolist()  # expected accepted tokens of n-1 nodes
-        budget = max(range(1, min(budget, merged.numel()) + 1),
-                     key=lambda n: (1 + (gains[n - 2] if n > 1 else 0.0)) / (interpolate(latency, n) + overhead))
-    if merged.numel() <= budget:
-        return SharedTree(merged, merged_buffers, sources, own, paths, values)
+        gains = list(itertools.accumulate(worth[i] for i in ranked[1:budget]))  # expected accepted tokens of n-1
+        budget = max(range(1, min(budget, n) + 1),
+                     key=lambda k: (1 + (gains[k - 2] if k > 1 else 0.0)) / (interpolate(latency, k) + overhead))
     keep = sorted(ranked[:budget])  # original order: parents before children
     new_index = {old: new for new, old in enumerate(keep)}
-    parents = merged_buffers.parents.tolist()
-    out_buffers = compile_buffers([0] + [new_index[parents[i]] for i in keep[1:]])
     kept_paths = []
     for path in paths:
         kept = []
@@ -253,8 +270,13 @@ def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tenso
                 break
             kept.append(new_index[node])
         kept_paths.append(kept)
-    keep_t = torch.tensor(keep, device=device)
-    return SharedTree(merged[keep_t], out_buffers, sources[keep_t], own[keep_t], kept_paths, values[keep_t])
+    kept_sources = [sources[i] for i in keep]
+    kept_own = [own[i] for i in keep]
+    buffers, (out_tokens, out_sources, out_own, out_values) = host_tree(
+        device, [0] + [new_index[merged_parents[i]] for i in keep[1:]], [merged[i] for i in keep], kept_sources,
+        kept_own, [kept_values[i] for i in keep])
+    return SharedTree(out_tokens.long(), buffers, out_sources.long(), out_own.float(), kept_paths, out_values.float(),
+                      kept_sources, sum(kept_own[1:]))
 
 
 class BudgetDrafter:
@@ -278,6 +300,7 @@ class BudgetDrafter:
         self.propose_cost = propose_seconds or 0.0
         self.feature_layers = heads_drafter.feature_layers  # the states are the heads drafter's
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
+        self.device = heads_drafter.device  # where the drafts live (the backbone's)
         self.latency = latency  # verify seconds per node count on this machine (None: keep the whole budget)
         self.min_ngram = lookup.shortest_ngram(1) if lookup is not None else 1
         self._reset()
@@ -307,7 +330,11 @@ class BudgetDrafter:
 
     def propose(self, root: int, room: int) -> Draft:
         heads_ran = self.gate.propose()
-        own = self.heads.propose(root, room if heads_ran else 0)
+        if heads_ran:  # the heads' tree, read to the host once (``share_budget``)
+            own = self.heads.propose(root, room)
+            tokens, parents, values = read_tree(own.tokens, own.buffers, own.values)
+        else:
+            tokens, parents, values = [root], [0], [1.0]
         # the branch is offered whole and the shared budget decides how much of it is kept
         matched, branches = self.index.continuations(min(self.lookup.max_len, room), self.min_ngram,
                                                      self.lookup.branches) if self.lookup is not None else (0, [])
@@ -316,14 +343,14 @@ class BudgetDrafter:
         # sized from the cached latency table only (no wall-clock input): a seeded generation picks the same trees,
         # hence the same samples, every time
         latency = self.latency.at(self.prefix_len) if self.latency is not None else None
-        shared = share_budget(own.tokens, own.buffers, own.values, branches,
-                              [rel.values(len(b)) for rel, b in zip(rels, branches)], budget, latency,
-                              self.calibration.scale, overhead=self.propose_cost if heads_ran else 0.0)
+        shared = share_lists(self.device, tokens, parents, values, branches,
+                             [rel.values(len(b)) for rel, b in zip(rels, branches)], budget, latency,
+                             self.calibration.scale, overhead=self.propose_cost if heads_ran else 0.0)
         # verify seconds of the round without and with the nodes only the heads drafted (the gate charges the
         # difference to the heads)
         if latency is not None:
-            without = 1 + int((shared.sources[1:] & LOOKUP).ne(0).sum())
-            seconds = (interpolate(latency, without), interpolate(latency, shared.tokens.numel()))
+            without = 1 + sum(1 for src in shared.source_list[1:] if src & LOOKUP)
+            seconds = (interpolate(latency, without), interpolate(latency, len(shared.source_list)))
         else:
             seconds = (0.0, 0.0)
         self._round = (rels, shared, seconds)
@@ -332,14 +359,14 @@ class BudgetDrafter:
 
     def observe(self, outcome: Outcome) -> None:
         rels, shared, seconds = self._round
-        path = outcome.nodes[1:].tolist()
-        path_sources = shared.sources[path].tolist()
+        path = outcome.path[1:]
+        path_sources = [shared.source_list[i] for i in path]
         for rel, nodes in zip(rels, shared.branch_nodes):
             if nodes:
                 rel.update_branch(nodes, path)
         heads_only = sum(1 for src in path_sources if src == HEADS)
         if outcome.draft.heads_ran:
-            self.calibration.update(float(shared.heads_values[1:].sum()),
+            self.calibration.update(shared.heads_total,
                                     sum(1 for src in path_sources if src & HEADS))
             # (never below 0: with a small-row plan a larger tree can verify faster than a smaller one, which is no
             # earning of the heads)
@@ -348,6 +375,6 @@ class BudgetDrafter:
             self.gate.record_round(len(outcome.tokens) - heads_only, seconds[0])
         if self.lookup is not None:
             self.index.extend(outcome.emitted)
-        self.prefix_len += outcome.nodes.numel()
+        self.prefix_len += len(outcome.path)
         self.heads.observe(outcome)
 

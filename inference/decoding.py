@@ -15,9 +15,11 @@ One round: a drafter's ``propose`` (``drafting.py``: tree tokens) -> ``verify`` 
 4D mask) -> ``accept_greedy`` (longest agreeing path + bonus; ``sampling.py`` for temperature > 0) -> ``commit`` (keep
 only the accepted path in the KV cache) -> the drafter's ``observe``. The loop is ``loop.speculative_decode``.
 
-Devices: the tree tokens, the backbone's outputs and the accepted nodes live on the backbone's device; the tree
-buffers are compiled on the CPU and each step takes their device copy (``TreeBuffers.to``) for what meets the
-backbone's tensors. Only small results come back to Python (``int``, ``tolist``).
+Devices: the tree tokens, the backbone's outputs and the accepted nodes live on the backbone's device; so do the
+buffers of trees grown there (dynamic trees), while static and host-merged trees are compiled on the CPU and each step
+takes their device copy (``TreeBuffers.to``, made once per tree). A greedy round reads back to Python once: the
+accepted length, path and tokens in one small tensor (``accept_greedy``); commit and the next draft take their
+indices from the device.
 
 Letters: N tree nodes, P cached prefix length, K heads (or draft depths), V vocabulary, H hidden size, D tree depth.
 """
@@ -45,6 +47,14 @@ class Verified:
 class Accepted:
     nodes: torch.Tensor  # [m+1] long: tree node indices of the accepted path, root first (on the logits' device)
     tokens: list[int]  # the m accepted candidates followed by the bonus token (what this round emits)
+    path: list[int] | None = None  # ``nodes`` as a list (None: read from ``nodes``)
+    token_ids: torch.Tensor | None = None  # [m+1] long ``tokens`` on the logits' device (None: copied from ``tokens``)
+
+    def __post_init__(self):
+        if self.path is None:
+            self.path = self.nodes.tolist()
+        if self.token_ids is None:
+            self.token_ids = torch.tensor(self.tokens, dtype=torch.long, device=self.nodes.device)
 
 
 def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype,
@@ -90,19 +100,26 @@ def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffe
     safe = retrieve.clamp(min=0)
     correct = (tokens[safe[:, 1:]] == predicted[safe[:, :-1]]) & (retrieve[:, 1:] >= 0)  # [P, D]
     accepted_len = correct.long().cumprod(dim=1).sum(dim=1)  # [P]
-    best = int(accepted_len.argmax())
-    m = int(accepted_len[best])
-    nodes = retrieve[best, : m + 1]  # [m+1]
-    return Accepted(nodes=nodes, tokens=tokens[nodes[1:]].tolist() + [int(predicted[nodes[-1]])])
+    best = accepted_len.argmax(dim=0, keepdim=True)  # [1] (tensor indices throughout: nothing is read yet)
+    row, m = safe.index_select(0, best)[0], accepted_len.index_select(0, best)[0]  # [D+1], []
+    bonus = predicted.index_select(0, row.gather(0, m[None]))  # [1]
+    candidates = tokens[row[1:]]  # [D]
+    # one read: the accepted length, the row's nodes and tokens, the bonus token
+    read = torch.cat([m[None], row, candidates, bonus]).tolist()
+    m, width = read[0], row.numel()
+    return Accepted(nodes=row[: m + 1], tokens=read[1 + width: 1 + width + m] + read[-1:],
+                    path=read[1: 2 + m], token_ids=torch.cat([candidates[:m], bonus]))
 
 
-def commit(cache, prefix_len: int, nodes: torch.Tensor) -> int:
+def commit(cache, prefix_len: int, nodes: torch.Tensor, path: list[int] | None = None) -> int:
     """Keep exactly the accepted path's KV entries: gather them to positions P..P+m, then crop the rest.
 
-    nodes: [m+1] accepted node indices (root first). Returns the new cache length P + m + 1.
+    nodes: [m+1] accepted node indices (root first) on the cache's device; ``path``: the same as a list where the
+    caller has it (None: read from ``nodes``). Returns the new cache length P + m + 1.
     """
-    keep = prefix_len + nodes.numel()
-    contiguous = bool((nodes == torch.arange(nodes.numel(), device=nodes.device)).all())  # a chain prefix: no gather
+    path = nodes.tolist() if path is None else path
+    keep = prefix_len + len(path)
+    contiguous = path == list(range(len(path)))  # a chain prefix: nothing to gather
     for layer in cache.layers:
         if not contiguous:
             src = prefix_len + nodes

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmaxx.heads.drafting import HEADS, LOOKUP, Draft, Outcome, Prefill
-from tokenmaxx.heads.tree import TreeBuffers, compile_buffers
+from tokenmaxx.heads.tree import TreeBuffers, host_tree
 
 
 @dataclass(frozen=True)
@@ -99,16 +99,12 @@ class NgramIndex:
         return found[0] if found else []
 
 
-def merge_branches(tokens: torch.Tensor, buffers: TreeBuffers, branches: list[list[int]]
-                   ) -> tuple[torch.Tensor, TreeBuffers, torch.Tensor, list[list[int]]]:
-    """Add draft branches below the root of a tree, sharing nodes where the tokens coincide (with the tree or with
-    an earlier branch).
-
-    tokens: [N] tree tokens (node 0 = root). Returns (tokens [N'], buffers, sources [N'] of HEADS/LOOKUP bits, the
-    node indices along each branch); the tensors on the device of ``tokens``.
-    """
-    parents = buffers.parents.tolist()
-    toks = tokens.tolist()
+def merge_lists(tokens: list[int], parents: list[int], branches: list[list[int]]
+                ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """Add draft branches below the root of a tree given as lists (node 0 = root; ``parents[0]`` = 0), sharing nodes
+    where the tokens coincide (with the tree or with an earlier branch). Returns new lists (tokens, parents, sources of
+    HEADS/LOOKUP bits) and the node indices along each branch."""
+    toks, parents = list(tokens), list(parents)
     sources = [HEADS] * len(toks)
     child_of = {(parents[i], toks[i]): i for i in range(1, len(toks))}
     paths = []
@@ -127,12 +123,17 @@ def merge_branches(tokens: torch.Tensor, buffers: TreeBuffers, branches: list[li
             node = nxt
             path.append(node)
         paths.append(path)
-    if len(toks) == tokens.numel():  # every branch was already in the tree
-        out_buffers = buffers
-    else:
-        out_buffers = compile_buffers(parents)
-    device = tokens.device
-    return torch.tensor(toks, device=device), out_buffers, torch.tensor(sources, device=device), paths
+    return toks, parents, sources, paths
+
+
+def merge_branches(tokens: torch.Tensor, buffers: TreeBuffers, branches: list[list[int]]
+                   ) -> tuple[torch.Tensor, TreeBuffers, torch.Tensor, list[list[int]]]:
+    """``merge_lists`` on a tree of tensors: tokens [N] (node 0 = root). Returns (tokens [N'], buffers, sources [N'],
+    the node indices along each branch), the tensors on the device of ``tokens`` (one read, one copy)."""
+    toks, parents = torch.stack([tokens, buffers.to(tokens.device).parents]).tolist()
+    toks, parents, sources, paths = merge_lists(toks, parents, branches)
+    out_buffers, (merged, merged_sources) = host_tree(tokens.device, parents, toks, sources)
+    return merged.long(), out_buffers, merged_sources.long(), paths
 
 
 def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) -> tuple[torch.Tensor, TreeBuffers,
@@ -167,16 +168,15 @@ class LookupDrafter:
     def propose(self, root: int, room: int) -> Draft:
         branch = self.index.continuation(min(self.length, room), self.min_ngram)
         self._branch = len(branch)
-        draft = Draft.root_only(root, self.device)
-        if not branch:
-            return draft
-        tokens, buffers, sources = merge_branch(draft.tokens, draft.buffers, branch)  # [N'], [N']
-        values = torch.ones(tokens.numel(), device=self.device)  # [N']
-        return Draft(tokens=tokens, buffers=buffers, sources=sources, values=values)
+        # the root and the branch as a chain, copied to the device at once
+        n = len(branch) + 1
+        buffers, (tokens, sources) = host_tree(self.device, [0] + list(range(n - 1)), [root] + branch,
+                                               [HEADS] + [LOOKUP] * (n - 1))
+        return Draft(tokens=tokens.long(), buffers=buffers, sources=sources.long(), values=torch.ones_like(tokens))
 
     def observe(self, outcome: Outcome) -> None:
         if self._branch:  # a round without a branch says nothing about the branch length
-            from_lookup = int((outcome.draft.sources[outcome.nodes[1:]] & LOOKUP).bool().sum())
+            from_lookup = len(outcome.path) - 1  # every candidate was the branch's
             self.length = self.config.next_len(self.length, self._branch, from_lookup)
         self.index.extend(outcome.emitted)
 

@@ -22,7 +22,7 @@ from tokenmaxx.heads.modeling import backbone_features
 
 from .decoding import Accepted, commit, verify
 from .forward import ForwardContext
-from tokenmaxx.heads.machine import clock
+from tokenmaxx.heads.machine import clock, reads_are_free
 
 PHASES = ("propose", "verify", "accept", "commit")
 
@@ -40,6 +40,9 @@ class GenerationStats:
         default_factory=lambda: dict.fromkeys(("heads", "lookup", "both"), 0))
     heads_skipped: int = 0  # rounds the heads sat out because they were not paying (budget.HeadsGate): lookup alone
     # drafted them (hybrid), or the root alone was verified (heads on measured costs)
+    timed: bool = True  # whether ``phase_seconds`` were measured (``speculative_decode``'s ``timed``)
+    _by_source: torch.Tensor | None = field(default=None, repr=False)  # accepted candidates per source bits, counted
+    # on the device until ``finish``
 
     @property
     def mean_tau(self) -> float:
@@ -56,15 +59,26 @@ class GenerationStats:
         return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
     def record(self, outcome: Outcome, times: list[float]) -> None:
-        """One round: its accepted length, who drafted the accepted candidates, and the time of each phase."""
+        """One round: its accepted length, who drafted the accepted candidates (counted on the device), and the time
+        of each phase (``times``: the phases' boundaries; empty when untimed)."""
         self.steps += 1
         tau = len(outcome.tokens)
         self.accepted_hist[tau] = self.accepted_hist.get(tau, 0) + 1
-        for src in outcome.draft.sources[outcome.nodes[1:]].tolist():
-            self.accepted_by_source[SOURCE_NAMES[src]] += 1
+        sources = outcome.draft.sources[outcome.nodes[1:]]
+        if self._by_source is None:
+            self._by_source = torch.zeros(max(SOURCE_NAMES) + 1, dtype=torch.long, device=sources.device)
+        self._by_source.index_add_(0, sources, torch.ones_like(sources))
         self.heads_skipped += not outcome.draft.heads_ran
         for phase, start, end in zip(PHASES, times, times[1:]):
             self.phase_seconds[phase] += end - start
+
+    def finish(self) -> None:
+        """After the last round: the device's counts into ``accepted_by_source`` (one read)."""
+        if self._by_source is not None:
+            counts = self._by_source.tolist()
+            for bits, name in SOURCE_NAMES.items():
+                self.accepted_by_source[name] += counts[bits]
+            self._by_source = None
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_tau": round(self.mean_tau, 4),
@@ -90,14 +104,20 @@ def eos_ids(generation_config) -> set[int]:
 
 def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: int, accept: Accept,
                        choose_root: Callable[[torch.Tensor], int], eos: set[int], streamer=None,
-                       forward: ForwardContext | None = None) -> tuple[list[int], GenerationStats]:
+                       forward: ForwardContext | None = None,
+                       timed: bool | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to ``max_new_tokens`` after ``input_ids`` [1, P] (stopping after an EOS id); returns the new
     tokens and the statistics. ``choose_root`` picks the first token from the prefill's last logits [V];
     ``forward``: how the tree verifies run on this machine (``forward.ForwardContext``; None: as the model is). Runs
     on the backbone's device (``input_ids`` is moved there); every time in the statistics waits for it first
-    (``heads.machine.clock``)."""
+    (``heads.machine.clock``). ``timed``: whether each round's phases are timed (four waits for the device a
+    round); None: where that costs nothing (``heads.machine.reads_are_free``). Prefill and decode are always timed.
+
+    A greedy round reads back from the device once (its accepted length, path and tokens), plus what the drafter
+    reads (none for the sequential kinds' trees on an accelerator; tests/test_round.py counts them)."""
     device = model.get_output_embeddings().weight.device
-    stats = GenerationStats()
+    timed = reads_are_free(device) if timed is None else timed
+    stats = GenerationStats(timed=timed)
     if streamer is not None:  # a streamer gets CPU tensors, as from model.generate
         streamer.put(input_ids.cpu())
     input_ids = input_ids.to(device)
@@ -110,27 +130,32 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
         streamer.put(torch.tensor([root], device="cpu"))
 
     start = clock(device)
+    tick = (lambda times: times.append(clock(device))) if timed else (lambda times: None)
     while root not in eos and len(new_tokens) < max_new_tokens:
-        t0 = clock(device)
+        times: list[float] = []
+        tick(times)
         room = max_new_tokens - len(new_tokens) - 1  # a round emits at most depth + 1 tokens: no overshooting nodes
         draft = drafter.propose(root, room)
-        t1 = clock(device)
+        tick(times)
         verified = verify(model, cache, draft.tokens, draft.buffers, prefix_len, forward, drafter.feature_layers)
-        t2 = clock(device)
+        tick(times)
         accepted = accept(draft.tokens, verified.logits, draft.buffers)
-        t3 = clock(device)
-        prefix_len = commit(cache, prefix_len, accepted.nodes)
+        tick(times)
+        prefix_len = commit(cache, prefix_len, accepted.nodes, accepted.path)
         emitted = _emitted(accepted.tokens, max_new_tokens - len(new_tokens), eos)
         outcome = Outcome(draft=draft, nodes=accepted.nodes, tokens=accepted.tokens,
-                          hidden=verified.hidden[accepted.nodes], emitted=emitted)
+                          hidden=verified.hidden[accepted.nodes], emitted=emitted, path=accepted.path,
+                          token_ids=accepted.token_ids)
         drafter.observe(outcome)
-        stats.record(outcome, [t0, t1, t2, t3, clock(device)])
+        tick(times)
+        stats.record(outcome, times)
         new_tokens.extend(emitted)
         root = emitted[-1]
         if streamer is not None:
             streamer.put(torch.tensor(emitted, device="cpu"))
     stats.decode_seconds = clock(device) - start
     stats.new_tokens = len(new_tokens)
+    stats.finish()
     if streamer is not None:
         streamer.end()
     return new_tokens, stats

@@ -161,7 +161,7 @@ def test_share_budget_with_several_branches():
     values = torch.tensor([1.0, 0.3])
     # branch 0 (reliable) and branch 1 (less so) share their first token 20, then part; branch 2 starts like the heads
     branches = [[20, 21, 22], [20, 30, 31], [10, 40]]
-    out, buffers, sources, _, kept, _ = share_budget(tokens, tree.buffers, values, branches, [0.9, 0.5, 0.6], budget=6)
+    out, buffers, sources, _, kept, *_ = share_budget(tokens, tree.buffers, values, branches, [0.9, 0.5, 0.6], budget=6)
     # worth: 20: max(0.9, 0.5) = 0.9, 21: 0.81, 22: 0.73, 10: max(0.3, 0.6) = 0.6, 30: 0.25, 40: 0.36, 31: 0.125
     assert out.tolist() == [9, 10, 20, 21, 22, 40]
     assert sources.tolist() == [HEADS, HEADS | LOOKUP, LOOKUP, LOOKUP, LOOKUP, LOOKUP]

@@ -12,7 +12,7 @@ from transformers import DynamicCache, GenerationConfig
 from tokenmaxx.heads import BackboneMismatchError, HeadsConfig, MTPHeads, load_heads
 from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
-from tokenmaxx.heads.dynamic_tree import Candidates, DynamicTreeConfig, expand_tree
+from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig, Frontier, grow_tree
 from tokenmaxx.inference import Costs, VerifyLatency
 from tokenmaxx.inference.sampling import build_warpers, target_probs
 
@@ -139,12 +139,12 @@ def test_expand_tree_keeps_the_most_probable_paths():
     }
     calls = []
 
-    def child_logprobs(frontier, cands: Candidates):
-        calls.append([cands.tokens[c] for c in frontier])
-        return torch.stack([children.get(cands.tokens[c], _lp({})) for c in frontier])
+    def child_logprobs(frontier: Frontier):
+        calls.append(frontier.tokens[frontier.live].tolist())
+        return torch.stack([children.get(tok, _lp({})) for tok in frontier.tokens.tolist()])
 
     root_lp = _lp({1: 0.6, 2: 0.3, 3: 0.05})
-    tree = expand_tree(0, root_lp, child_logprobs, topk=2, depth=3, nodes=6)
+    tree = grow_tree(0, root_lp, child_logprobs, topk=2, depth=3, nodes=6)
     # path probabilities: 1 .6, 1-4 .54, 1-4-8 .432, 2 .3, 2-6 .15, 2-7 .12, 2-7-9 .119, 1-4-9 .054 ...
     got = {tuple(_path(tree, i)): round(math.exp(float(tree.scores[i])), 3) for i in range(1, 6)}
     assert got == {(1,): 0.6, (1, 4): 0.54, (2,): 0.3, (1, 4, 8): 0.432, (2, 6): 0.15}
@@ -165,16 +165,16 @@ def _path(tree, node):
 def test_expand_tree_stops_when_no_frontier_node_can_enter():
     calls = []
 
-    def child_logprobs(frontier, cands):
-        calls.append(len(frontier))
-        return torch.stack([_lp({}) for _ in frontier])  # flat: every child is far less likely than level 1
+    def child_logprobs(frontier: Frontier):
+        calls.append(int(frontier.live.sum()))
+        return torch.stack([_lp({}) for _ in frontier.tokens])  # flat: every child is far less likely than level 1
 
-    tree = expand_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=5, nodes=3)
+    tree = grow_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=5, nodes=3)
     assert [_path(tree, i) for i in range(1, 3)] == [[1], [2]]
     # only node 1 (0.5) could still have a child above the 2nd best score (0.4); its flat children cannot, so the
     # next level is never drafted
     assert calls == [1]
-    tree = expand_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=1, nodes=40)
+    tree = grow_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=1, nodes=40)
     assert tree.buffers.num_nodes == 3 and calls == [1]
 
 
@@ -182,13 +182,13 @@ def test_expand_tree_stops_below_min_mass():
     calls = []
     children = {1: _lp({3: 0.5}), 2: _lp({4: 0.5})}
 
-    def child_logprobs(frontier, cands):
-        calls.append([cands.tokens[c] for c in frontier])
-        return torch.stack([children.get(cands.tokens[c], _lp({})) for c in frontier])
+    def child_logprobs(frontier: Frontier):
+        calls.append(frontier.tokens[frontier.live].tolist())
+        return torch.stack([children.get(tok, _lp({})) for tok in frontier.tokens.tolist()])
 
     def grow(min_mass):
         calls.clear()
-        return expand_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=3, nodes=40, min_mass=min_mass)
+        return grow_tree(0, _lp({1: 0.5, 2: 0.4}), child_logprobs, topk=2, depth=3, nodes=40, min_mass=min_mass)
 
     # level 2's frontier (1, 2) holds 0.9 of the draft's probability, level 3's (1-3, 2-4) 0.25 + 0.2 = 0.45
     tree = grow(0.5)

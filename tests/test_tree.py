@@ -84,3 +84,20 @@ def test_sparse_tree_picks_highest_products():
 def test_default_tree_shape():
     tree = default_tree()
     assert tree.num_nodes == 24 and tree.depth == 4
+
+
+def test_buffers_built_on_the_device_match_the_compiled_ones():
+    from tokenmaxx.heads.tree import compile_buffers, device_buffers, host_tree
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        n = int(torch.randint(1, 20, (), generator=gen))
+        parents = [0] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
+        compiled = compile_buffers(parents)
+        built = device_buffers(torch.tensor(parents), compiled.depth + 2)  # a bound above the depth is fine
+        assert torch.equal(compiled.depths, built.depths) and torch.equal(compiled.attn_mask, built.attn_mask)
+        assert compiled.children == built.children
+        paths = {tuple(x for x in row if x >= 0) for row in built.retrieve.tolist()}  # one row per node
+        assert len(paths) == n and {tuple(x for x in row if x >= 0) for row in compiled.retrieve.tolist()} <= paths
+        hosted, (values,) = host_tree(torch.device("cpu"), parents, list(range(n)))
+        assert torch.equal(hosted.attn_mask, compiled.attn_mask) and values.tolist() == list(range(n))

@@ -151,7 +151,7 @@ def drafts_along(drafter, seq: torch.Tensor, hidden: torch.Tensor, start: int):
         yield t, draft, clock(device) - t0
         nxt = seq[t + 1: t + 2].tolist()
         drafter.observe(Outcome(draft=draft, nodes=torch.zeros(1, dtype=torch.long, device=device), tokens=nxt,
-                                hidden=hidden[t: t + 1], emitted=nxt))
+                                hidden=hidden[t: t + 1], emitted=nxt, path=[0], token_ids=seq[t + 1: t + 2]))
 
 
 @torch.inference_mode()
