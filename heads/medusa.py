@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .capture import captured
 from .draft_vocab import DraftVocab
 from .drafting import HEADS, Draft, Outcome, Prefill
 from .dynamic_tree import DynamicTreeConfig
@@ -75,8 +76,9 @@ class MedusaHeads(DraftHeads):
         return self.project(self.head_states(hidden), lm_head)
 
     # ---- drafting -------------------------------------------------------------------------------------------------
-    def drafter(self, model, tree: Tree | None = None, draft_vocab: bool = True) -> "MedusaDrafter":
-        return MedusaDrafter(self, model, self.parsed_settings(tree, Tree), draft_vocab=draft_vocab)
+    def drafter(self, model, tree: Tree | None = None, draft_vocab: bool = True,
+                capture: bool = False) -> "MedusaDrafter":
+        return MedusaDrafter(self, model, self.parsed_settings(tree, Tree), draft_vocab=draft_vocab, capture=capture)
 
     @classmethod
     def tree_settings(cls, config, spec=None) -> Tree:
@@ -136,8 +138,9 @@ class MedusaDrafter:
     instead of the whole vocabulary.
     """
 
-    def __init__(self, heads: MedusaHeads, model, tree: Tree, draft_vocab: bool = True):
+    def __init__(self, heads: MedusaHeads, model, tree: Tree, draft_vocab: bool = True, capture: bool = False):
         self.heads, self.tree = heads, tree
+        self.capture = capture  # the heads' pass compiled once (``capture.captured``; its shapes never change)
         self.feature_layers = heads.feature_layers  # None: the final-normed last state
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device  # the backbone's: drafts live there
@@ -166,15 +169,20 @@ class MedusaDrafter:
         if buffers.num_nodes == 1:
             return Draft.root_only(root, self.device)
         if self.vocab is not None:
-            logits = self.vocab.logits(self.heads.head_states(self.hidden)[: buffers.depth])  # [D, Vd]
+            logits = self.vocab.logits(self._call("head_states", self.hidden)[: buffers.depth])  # [D, Vd]
             topk = self.vocab.ids[logits.topk(min(buffers.topk, logits.shape[-1]), dim=-1).indices]  # [D, k]
         else:
-            logits = self.heads.draft_logits(self.hidden, self.lm_head)[: buffers.depth]  # [D, V]
+            logits = self._call("draft_logits", self.hidden, self.lm_head)[: buffers.depth]  # [D, V]
             topk = logits.topk(buffers.topk, dim=-1).indices  # [D, k]
         flat = torch.cat([self.root_token, topk.flatten()])  # [1 + D*k]
         tokens = flat[buffers.to(self.device).token_index]  # [N]
         return Draft(tokens=tokens, buffers=buffers, sources=torch.full_like(tokens, HEADS),
                      values=static_values(tree, self.device))
+
+    def _call(self, name: str, *args):
+        """The heads' ``name`` method on ``args``, captured where asked."""
+        method = getattr(self.heads, name)
+        return captured(self.heads, name, method, *args) if self.capture else method(*args)
 
     def observe(self, outcome: Outcome) -> None:
         self.hidden = outcome.hidden[-1]

@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+import torch.nn.functional as F
+from transformers import DynamicCache, StaticCache
 
 from .attention import UNROLLED, shared_kv_kwargs
+from .capture import captured
 from .draft_vocab import DraftVocab
 from .drafting import HEADS, Draft, Outcome, Prefill
 from .machine import reads_are_free
 from .dynamic_tree import DynamicTreeConfig, Frontier, grow_tree
 from .modeling import DraftHeads
+
+
+MODULE_CACHE = 2048  # entries a captured drafter's module cache starts with (doubled when a generation needs more)
 
 
 class SequentialHeads(DraftHeads):
@@ -113,8 +118,10 @@ class SequentialHeads(DraftHeads):
         return torch.stack(outs), kept
 
     # ---- drafting -------------------------------------------------------------------------------------------------
-    def drafter(self, model, tree: DynamicTreeConfig | None = None, draft_vocab: bool = True) -> "SequentialDrafter":
-        return SequentialDrafter(self, model, self.parsed_settings(tree, DynamicTreeConfig), draft_vocab=draft_vocab)
+    def drafter(self, model, tree: DynamicTreeConfig | None = None, draft_vocab: bool = True,
+                capture: bool = False) -> "SequentialDrafter":
+        return SequentialDrafter(self, model, self.parsed_settings(tree, DynamicTreeConfig), draft_vocab=draft_vocab,
+                                 capture=capture)
 
     @classmethod
     def tree_settings(cls, config, spec=None) -> DynamicTreeConfig:
@@ -164,7 +171,7 @@ class SequentialDrafter:
     """
 
     def __init__(self, heads: SequentialHeads, model, config: DynamicTreeConfig, draft_vocab: bool = True,
-                 stop_early: bool | None = None):
+                 stop_early: bool | None = None, capture: bool = False):
         self.heads, self.config = heads, config
         self.feature_layers = heads.feature_layers  # what the loop hands to start / observe as backbone states
         self.embed = model.get_input_embeddings()
@@ -174,7 +181,10 @@ class SequentialDrafter:
         self.vocab: DraftVocab | None = None  # a DraftVocab, or None (all tokens)
         self.attention = shared_kv_kwargs(model)  # the module's layer is built from the backbone's config
         self.depth = config.depth or heads.config.num_heads
-        self.cache = DynamicCache()
+        # ``capture``: the module's passes are compiled per shape (``capture.captured``) over a preallocated cache
+        self.capture = capture
+        self.cache = self._new_cache(MODULE_CACHE)
+        self.length = 0  # entries in the module cache that stay (accepted anchors)
         self.next_position = 0  # position id of the next anchor
         self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
         self.root_token: torch.Tensor | None = None  # [1] long: the next root on the device (from ``observe``)
@@ -191,17 +201,47 @@ class SequentialDrafter:
 
     @property
     def cached(self) -> int:
-        return self.cache.get_seq_length()
+        return self.length
+
+    def _new_cache(self, size: int):
+        """An empty module cache: grown per pass (``DynamicCache``), or preallocated for ``size`` entries when the
+        passes are captured (``StaticCache``: fixed addresses and mask widths)."""
+        return StaticCache(config=self.heads.layer_config, max_cache_len=size) if self.capture else DynamicCache()
 
     def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
-        """Module pass for n queries. prev [n, H], tokens [n], positions [n] and visible [n, C+n] bool over (cache,
-        queries), all on the device. Returns states [n, H]."""
+        """Module pass for n queries, written to the cache after its first C + E entries. prev [n, H], tokens [n],
+        positions [n] and visible [n, C+E+n] bool over (cache, queries), all on the device. Returns states [n, H]."""
         dtype = self.heads.dtype
-        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+n]
+        n, width = visible.shape
+        if self.capture:  # the mask spans the preallocated cache; the pass writes right after what it keeps
+            self._reserve(width)
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    layer.cumulative_length.fill_(width - n)
+            visible = F.pad(visible, (0, self.cache.layers[0].max_cache_len - width))
+        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+E+n or cache]
         mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
-        return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache,
-                               **self.attention)[0]
+        inputs = (prev[None], tokens[None], self.embed, positions[None], mask, self.cache)
+        if self.capture:
+            return captured(self.heads, "step", self.heads.step, *inputs, **self.attention)[0]
+        return self.heads.step(*inputs, **self.attention)[0]
+
+    def _reserve(self, width: int) -> None:
+        """A preallocated cache of at least ``width`` entries: the current one, or one twice as large holding its
+        entries."""
+        size = self.cache.layers[0].max_cache_len
+        if width <= size:
+            return
+        while size < width:
+            size *= 2
+        old, self.cache = self.cache, self._new_cache(size)
+        for layer, was in zip(self.cache.layers, old.layers):
+            if was.is_initialized:
+                layer.lazy_initialization(was.keys, was.values)
+                layer.keys[:, :, : was.max_cache_len] = was.keys
+                layer.values[:, :, : was.max_cache_len] = was.values
+                layer.cumulative_length.copy_(was.cumulative_length)
 
     def start(self, prefill: Prefill) -> None:
         """After the prefill: the module reads the end of the prompt.
@@ -214,7 +254,8 @@ class SequentialDrafter:
         input_ids, hidden = prefill.input_ids, prefill.hidden
         prompt_len = input_ids.shape[0]
         first = max(0, prompt_len - 1 - self.heads.config.num_heads)
-        self.cache = DynamicCache()
+        self.cache = self._new_cache(MODULE_CACHE)
+        self.length = 0
         self.next_position = first
         self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)
         self.advance(hidden[first:], torch.cat([input_ids[first + 1:], self.root_token]))
@@ -233,6 +274,7 @@ class SequentialDrafter:
         positions = torch.arange(self.next_position, self.next_position + n, device=self.device)  # [n]
         tokens = torch.as_tensor(next_tokens, dtype=torch.long, device=self.device)  # [n]
         states = self._run(self.heads.lift(hidden), tokens, positions, visible)  # lift and step cast to the module dtype
+        self.length += n
         self.next_position += n
         self.last_state = states[-1]
 
@@ -276,9 +318,9 @@ class SequentialDrafter:
             grown = grow_tree(self.root_token, self._logprobs(self.last_state), expand, self.config.topk, depth,
                               self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
                               min_mass=self.config.min_mass, stop_early=self.stop_early)
-        finally:
-            if self.cached > cached:  # drop the tree's entries (crop takes a negative count in transformers 5)
-                self.cache.crop(cached - self.cached)
+        finally:  # drop the tree's entries (a preallocated cache is written over by the next pass)
+            if not self.capture and self.cache.get_seq_length() > cached:  # (crop takes a negative count)
+                self.cache.crop(cached - self.cache.get_seq_length())
         return Draft(tokens=grown.tokens, buffers=grown.buffers, sources=torch.full_like(grown.tokens, HEADS),
                      values=grown.scores.exp())
 

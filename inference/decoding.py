@@ -34,6 +34,7 @@ from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.heads.tree import TreeBuffers
 
 from .forward import ForwardContext
+from .kv import StaticKV
 
 
 @dataclass
@@ -71,21 +72,22 @@ def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len:
            forward: ForwardContext | None = None, feature_layers: tuple[int, ...] | None = None) -> Verified:
     """ONE backbone forward over all tree nodes through the public forward (4D mask, position_ids, Cache).
 
-    tokens: [N] on the backbone's device; the cache holds ``prefix_len`` entries before the call and ``prefix_len + N``
-    after it. ``forward``: how the forward runs on this machine (``forward.ForwardContext``; None: as the model is).
+    tokens: [N] on the backbone's device; a transformers cache holds ``prefix_len`` entries before the call and
+    ``prefix_len + N`` after it; a ``kv.StaticKV`` is written at ``prefix_len`` on, the tree padded to its bucket. ``forward``: how the forward runs on this machine (``forward.ForwardContext``; None: as the model is).
     ``feature_layers``: which hidden states ``Verified.hidden`` holds (the drafter's; None: the final-normed last).
     """
     weight = model.get_output_embeddings().weight
-    out = (forward or ForwardContext())(
-        model,
-        input_ids=tokens[None],  # [1, N]
-        attention_mask=tree_attention_bias(buffers, prefix_len, weight.dtype, weight.device),  # [1, 1, N, P+N]
-        position_ids=(prefix_len + buffers.to(weight.device).depths)[None],  # [1, N]
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=True,
-    )
-    return Verified(logits=out.logits[0], hidden=backbone_features(out.hidden_states, feature_layers)[0])
+    on_device = buffers.to(weight.device)
+    if isinstance(cache, StaticKV):  # padded to its bucket, the mask over the whole preallocated cache
+        inputs = cache.tree_inputs(tokens, on_device.depths, on_device.attn_mask, prefix_len, weight.dtype)
+    else:
+        inputs = dict(input_ids=tokens[None],  # [1, N]
+                      attention_mask=tree_attention_bias(buffers, prefix_len, weight.dtype, weight.device),  # [1,1,N,P+N]
+                      position_ids=(prefix_len + on_device.depths)[None],  # [1, N]
+                      past_key_values=cache)
+    out = (forward or ForwardContext())(model, **inputs, use_cache=True, output_hidden_states=True)
+    n = tokens.shape[0]  # (a padded tree's extra rows are dropped)
+    return Verified(logits=out.logits[0, :n], hidden=backbone_features(out.hidden_states, feature_layers)[0, :n])
 
 
 def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Accepted:
@@ -118,6 +120,8 @@ def commit(cache, prefix_len: int, nodes: torch.Tensor, path: list[int] | None =
     caller has it (None: read from ``nodes``). Returns the new cache length P + m + 1.
     """
     path = nodes.tolist() if path is None else path
+    if isinstance(cache, StaticKV):
+        return cache.commit(prefix_len, nodes, path)
     keep = prefix_len + len(path)
     contiguous = path == list(range(len(path)))  # a chain prefix: nothing to gather
     for layer in cache.layers:

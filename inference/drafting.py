@@ -62,10 +62,11 @@ class DraftSettings:
     gate: GateConfig = field(default_factory=GateConfig)
     draft_vocab: bool = True  # heads with a draft vocabulary guess over it
     costs: Costs | None = None  # this machine's measured costs (None: whole trees)
+    capture: bool = False  # the heads' passes compiled once per shape (a GPU's CUDA graphs; ``heads.capture``)
 
 
 def _heads(model, heads, settings: DraftSettings) -> Drafter:
-    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab)
+    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab, capture=settings.capture)
     costs = settings.costs
     if costs is None or costs.latency is None:
         return own
@@ -79,7 +80,7 @@ def _lookup(model, heads, settings: DraftSettings) -> Drafter:
 
 
 def _hybrid(model, heads, settings: DraftSettings) -> Drafter:
-    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab)
+    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab, capture=settings.capture)
     costs = settings.costs or Costs()
     return BudgetDrafter(own, lookup=settings.lookup, gate=settings.gate, nodes=own.nodes, latency=costs.latency,
                          propose_seconds=costs.propose_seconds)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmaxx.heads.capture import CaptureFallbackWarning, captured  # noqa: F401 - re-exported
+
 Plan = Union[int, Mapping[int, str]]  # rows -> "all" | "head" | "body" (or k: "all" at 2..k rows)
 PARTS = ("all", "head", "body")
 
@@ -106,18 +108,45 @@ def transposed_linears(model: nn.Module, plan: Plan, rows: int | None = None) ->
                 _ACTIVE[model] = (users - 1, patched)
 
 
+CACHES = ("dynamic", "static")
+MIN_STATIC = 1024  # the smallest static cache (positions): most generations fit it, so one shape serves them
+
+
 @dataclass(frozen=True)
 class ForwardContext:
     """How a tree-verify forward runs (see the module docstring). ``ForwardContext()`` runs the model as it is."""
 
     attention: Mapping[str, object] = field(default_factory=dict)  # extra forward keywords for the attention function
     small_rows: Mapping[int, str] = field(default_factory=dict)  # the verifies' small-row plan
+    cache: str = "dynamic"  # the generation's KV cache: "dynamic" (grown, cropped) or "static" (``kv.StaticKV``)
+    capture: bool = False  # compile each verify shape once (``torch.compile(mode="reduce-overhead")``: CUDA graphs
+    # on a GPU), falling back to eager with a ``CaptureFallbackWarning``; needs the static cache (fixed shapes)
+    _pool: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "small_rows", as_plan(self.small_rows))
+        if self.cache not in CACHES:
+            raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
+        if self.capture and self.cache != "static":
+            raise ValueError("capture=True needs cache='static': a captured forward runs at fixed shapes")
+
+    def static_cache(self, model, positions: int):
+        """A ``kv.StaticKV`` for a generation of up to ``positions`` positions (prompt, new tokens, the largest padded
+        tree): this thread's last one when it is for ``model`` and large enough, else a new one of the next power of
+        two (at least ``MIN_STATIC``) positions. Reusing one cache keeps its tensors at one address and its mask at
+        one width: a captured forward is compiled and recorded once, not per prompt length."""
+        from .kv import StaticKV  # (kv imports nothing of this module's users)
+
+        kv = getattr(self._pool, "kv", None)
+        if kv is None or kv.model_ref() is not model or kv.max_len < positions:
+            kv = StaticKV(model, max(MIN_STATIC, 1 << (positions - 1).bit_length()))
+            self._pool.kv = kv
+        return kv
 
     def __call__(self, model, **inputs):
         """``model(**inputs)`` with this context's keywords, its linear layers as the plan computes the rows of
-        ``inputs["input_ids"]``."""
+        ``inputs["input_ids"]``; captured where asked."""
         with transposed_linears(model, self.small_rows, rows=inputs["input_ids"].numel()):
+            if self.capture:
+                return captured(model, "forward", model.forward, **inputs, **self.attention)
             return model(**inputs, **self.attention)

@@ -19,13 +19,13 @@ from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone, load_heads
 from tokenmaxx.heads.attention import shared_kv_kwargs
-from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_isa, cpu_name
+from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_isa, cpu_name, reads_are_free
 
 from .budget import GateConfig
 from .costs import Costs
 from .decoding import accept_greedy
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mode, make_drafter
-from .forward import ForwardContext
+from .forward import CACHES, ForwardContext
 from .lookup import LookupConfig
 from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
 from .measure import Calibration, announce_measuring, cached_small_rows, measure_costs, resolve_auto
@@ -79,13 +79,24 @@ class SpeculativeGenerator:
     latency, the heads' proposing time, the verifies' small-row plan), as ``create`` measures it with
     ``costs="auto"``; None: whole trees every round, every forward as the model computes it. The attention of the tree
     verifies follows the backbone's implementation (``heads.attention.shared_kv_kwargs``; ``load_backbone`` puts a
-    CPU backbone on the one that shares key/value heads).
+    CPU backbone on the one that shares key/value heads). ``cache``: the generation's KV cache, "dynamic" (grown and
+    cropped each round), "static" (preallocated, trees padded to a few sizes, ``kv.StaticKV``) or "auto": static
+    on an accelerator, dynamic on a CPU. ``capture``: compile each verify shape once (CUDA graphs on a GPU), eager
+    where that fails; None: with a static cache on an accelerator.
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree=None, strict_identity: bool = True,
                  draft: str = DEFAULT_DRAFT, lookup: LookupConfig | None = None, gate: GateConfig | None = None,
-                 draft_vocab: bool = True, costs: Costs | None = None):
+                 draft_vocab: bool = True, costs: Costs | None = None, cache: str = "auto",
+                 capture: bool | None = None):
         check_draft_mode(draft, heads)
+        if cache not in ("auto",) + CACHES:
+            raise ValueError(f"cache must be 'auto' or one of {CACHES}, got {cache!r}")
+        accelerated = not reads_are_free(model.get_output_embeddings().weight.device)
+        self.cache = cache if cache != "auto" else ("static" if accelerated else "dynamic")
+        self.capture = (self.cache == "static" and accelerated) if capture is None else bool(capture)
+        if self.capture and self.cache != "static":
+            raise ValueError("capture=True needs cache='static' (a captured forward runs at fixed shapes)")
         if Calibration.parse(tree) is not None:
             raise ValueError(f"tree={tree!r} calibrates the tree on this machine: build the generator with "
                              "SpeculativeGenerator.create(model, heads, tokenizer=..., tree='auto') or from_pretrained")
@@ -109,7 +120,8 @@ class SpeculativeGenerator:
         self.costs = costs
         # how the tree verifies run here: the backbone's attention keywords and the measured small-row plan
         self.forward = ForwardContext(attention=shared_kv_kwargs(self.model),
-                                      small_rows=costs.small_rows if costs is not None else {})
+                                      small_rows=costs.small_rows if costs is not None else {}, cache=self.cache,
+                                      capture=self.capture)
 
     @classmethod
     def create(cls, model, heads: DraftHeads | None, tokenizer=None, tree=None, costs: Costs | str | None = AUTO,
@@ -166,7 +178,7 @@ class SpeculativeGenerator:
         """A fresh drafter for one generation."""
         return make_drafter(self.draft, self.model, self.heads, DraftSettings(
             tree=self.tree_settings, lookup=self.lookup, gate=self.gate, draft_vocab=self.draft_vocab,
-            costs=self.costs))
+            costs=self.costs, capture=self.capture))
 
     def describe(self) -> str:
         """What drafts, e.g. "hybrid drafting: dynamic tree, 8 nodes + prompt lookup"."""

@@ -22,9 +22,11 @@ from tokenmaxx.heads.modeling import backbone_features
 
 from .decoding import Accepted, commit, verify
 from .forward import ForwardContext
+from .kv import StaticKV
 from tokenmaxx.heads.machine import clock, reads_are_free
 
 PHASES = ("propose", "verify", "accept", "commit")
+STATIC_MARGIN = 512  # positions a static cache holds past the prompt and the new tokens: the largest padded tree
 
 
 @dataclass
@@ -122,7 +124,10 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
         streamer.put(input_ids.cpu())
     input_ids = input_ids.to(device)
     start = clock(device)
-    cache, prefill = _prefill(model, input_ids, choose_root, drafter.feature_layers)
+    forward = forward or ForwardContext()
+    kv = forward.static_cache(model, input_ids.shape[1] + max_new_tokens + STATIC_MARGIN) \
+        if forward.cache == "static" else None
+    cache, prefill = _prefill(model, input_ids, choose_root, drafter.feature_layers, kv)
     drafter.start(prefill)
     root, prefix_len, new_tokens = prefill.root, input_ids.shape[1], [prefill.root]
     stats.prefill_seconds = clock(device) - start
@@ -161,13 +166,17 @@ def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: 
     return new_tokens, stats
 
 
-def _prefill(model, input_ids: torch.Tensor, choose_root,
-             feature_layers: tuple[int, ...] | None) -> tuple[DynamicCache, Prefill]:
-    """One backbone forward over the prompt [1, P]: the cache holds its P positions, the root is chosen from the
-    last position's logits; the drafter gets the states it reads (``feature_layers``)."""
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
+def _prefill(model, input_ids: torch.Tensor, choose_root, feature_layers: tuple[int, ...] | None,
+             kv: StaticKV | None = None) -> tuple[DynamicCache | StaticKV, Prefill]:
+    """One backbone forward over the prompt [1, P]: the cache (``kv``, else a new ``DynamicCache``) holds its P
+    positions, the root is chosen from the last position's logits; the drafter gets the states it reads
+    (``feature_layers``)."""
+    cache = kv if kv is not None else DynamicCache(config=model.config)
+    inputs = kv.prefill_inputs() if kv is not None else {"past_key_values": cache}
+    out = model(input_ids=input_ids, use_cache=True, output_hidden_states=True, **inputs,
                 **_last_logits_only(model, input_ids.shape[1]))
+    if kv is not None:
+        kv.commit(0, None, list(range(input_ids.shape[1])))  # the prompt is in place: write after it
     root = choose_root(out.logits[0, -1])  # from logits [V]
     hidden = backbone_features(out.hidden_states, feature_layers)[0]  # [P, F]
     return cache, Prefill(input_ids=input_ids[0], hidden=hidden, root=root)

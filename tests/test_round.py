@@ -19,6 +19,7 @@ from tokenmaxx.heads.drafting import Outcome
 from tokenmaxx.inference.costs import Costs, VerifyLatency
 from tokenmaxx.inference.decoding import accept_greedy
 from tokenmaxx.inference.drafting import DraftSettings, make_drafter
+from tokenmaxx.inference.forward import ForwardContext
 from tokenmaxx.inference.loop import eos_ids, greedy_root, speculative_decode
 
 aten = torch.ops.aten
@@ -83,13 +84,14 @@ class Marking:
         self.drafter.observe(outcome)
 
 
-def round_traffic(model, drafter, prompt: torch.Tensor, new_tokens: int = 40) -> list[tuple[int, int]]:
+def round_traffic(model, drafter, prompt: torch.Tensor, new_tokens: int = 40,
+                  cache: str = "dynamic") -> list[tuple[int, int]]:
     """(reads, copies) of each steady-state round of one greedy generation (the first and last rounds left out:
     the first reads what the prefill left, the last the generation's totals)."""
     traffic = HostTraffic()
     with traffic, torch.no_grad():  # (not inference_mode: its tensors' reads pass the dispatch mode by)
         speculative_decode(model, Marking(drafter, traffic), prompt, new_tokens, accept_greedy, greedy_root,
-                           eos_ids(model.generation_config), timed=False)
+                           eos_ids(model.generation_config), timed=False, forward=ForwardContext(cache=cache))
     marks = traffic.marks
     # the last rounds have less room than the trees' depth: their cut trees are new shapes, compiled once
     rounds = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])][1:-4]
@@ -118,12 +120,12 @@ def test_the_counter_sees_reads_and_copies():
     assert torch.Tensor.tolist is not None and x.tolist() == [0, 1, 2, 3]  # restored
 
 
-@pytest.mark.parametrize("stop_early", [False, True])
-def test_a_sequential_heads_round_reads_once(llama, stop_early):
+@pytest.mark.parametrize("stop_early,cache", [(False, "dynamic"), (True, "dynamic"), (False, "static")])
+def test_a_sequential_heads_round_reads_once(llama, stop_early, cache):
     heads = random_eagle3(llama, num_heads=3)
-    drafter = heads.drafter(llama, DynamicTreeConfig(nodes=12, topk=4, min_mass=0.3))
+    drafter = heads.drafter(llama, DynamicTreeConfig(nodes=12, topk=4, min_mass=0.3), capture=cache == "static")
     drafter.stop_early = stop_early
-    rounds = round_traffic(llama, drafter, _prompt(llama))
+    rounds = round_traffic(llama, drafter, _prompt(llama), cache=cache)
     levels = drafter.depth - 1  # the checks growing a tree may read: one per level after the first
     # one read: the accepted length, path and tokens; no copy from the host (the root stays on the device)
     assert max(r for r, _ in rounds) <= (1 + levels if stop_early else 1), rounds
