@@ -4,17 +4,23 @@ Every method runs on the same backbone, dtype, threads and prompts; per prompt t
 (rotating their order), after a warm-up. tau is tokens per backbone forward for every method (the prefill counts as a
 forward that yields one token), counted by a forward hook on the backbone, so peers and tokenmaxx are comparable.
 
+Two baselines: ``baseline`` is plain eager ``generate``; ``compiled`` (``compiled_method``, opt-in) is ``generate``
+with transformers' static KV cache and its decode step through ``torch.compile``, what a speed-minded user runs on a
+GPU. ``speedup`` is over the first; with a compiled method in the run, ``speedup_compiled`` is over it.
+
 Output JSON shape (fixed): ``{"config", "machine", "methods": {name: {"overall": S, "categories": {cat: S}}}}`` with
-``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``; tokenmaxx methods add
-``accepted_share`` (accepted candidates per draft source), ``heads_round_share`` (rounds in which the heads proposed:
-the gate sits them out of the others) and ``ms_per_round`` (mean milliseconds of each decode phase). Per-prompt rows
-(``prompt_rows``) go to a separate jsonl, so that shape stays fixed.
+``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``; with a compiled method,
+every S adds ``speedup_compiled``; tokenmaxx methods add ``accepted_share`` (accepted candidates per draft source),
+``heads_round_share`` (rounds in which the heads proposed: the gate sits them out of the others) and ``ms_per_round``
+(mean milliseconds of each decode phase). Per-prompt rows (``prompt_rows``) go to a separate jsonl, so that shape
+stays fixed. A run stopped early (``run_benchmark``'s deadline) is summarized over the prompts it finished.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,6 +29,7 @@ import torch
 
 from tokenmaxx.heads.machine import clock
 
+COMPILED = "compiled"  # the method name (optionally compiled:BACKEND) of the compiled static-cache baseline
 MT_BENCH_KINDS = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
@@ -71,6 +78,16 @@ def load_prompts(path: str | Path, tokenizer, limit: int | None = None, group_mt
     return prompts
 
 
+def interleave_categories(prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts taken one category at a time in turn (each category's in their order): a run stopped early has
+    covered every category about equally."""
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    queues = list(by_category.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+
+
 class ForwardCounter:
     """Counts calls of a module's forward (the backbone's), as a context manager."""
 
@@ -100,6 +117,20 @@ def hf_method(model, **generate_kwargs) -> Callable[[torch.Tensor, int], tuple[l
     return run
 
 
+def compiled_method(model, max_cache_len: int, backend: str = "inductor") -> Callable[[torch.Tensor, int],
+                                                                                      tuple[list[int], None]]:
+    """Plain greedy ``generate`` as a speed-minded user runs it (gpt-fast's lever): transformers' static KV cache of
+    ``max_cache_len`` positions for every call (one size, so the decode step compiles once; transformers keeps the
+    largest size it was asked for) and the decode step through ``torch.compile`` (``CompileConfig``: inductor in
+    "reduce-overhead" mode, CUDA graphs on a GPU). The first call compiles: run it in the warm-up. ``backend="eager"``
+    traces the step without generating code (seconds, for tests and the CPU dry run)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend=backend, mode="reduce-overhead" if backend == "inductor" else "default")
+    config._compile_all_devices = True  # transformers compiles by itself on a GPU; on a CPU it must be asked
+    return hf_method(model, cache_implementation="static", max_cache_len=max_cache_len, compile_config=config)
+
+
 def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int], dict]]:
     def run(input_ids, max_new_tokens):
         out = generator.generate(input_ids, max_new_tokens=max_new_tokens)
@@ -112,9 +143,14 @@ def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int]
 
 
 def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], max_new_tokens: int,
-                  warmup: int = 2, progress: bool = True) -> dict[str, MethodResult]:
+                  warmup: int = 2, progress: bool = True, after_prompt: Callable[[dict, int], None] | None = None,
+                  deadline: float | None = None) -> dict[str, MethodResult]:
     """Interleaved per prompt, rotating the method order; ``baseline`` must be one of the methods. Prompts go to the
-    backbone's device before the clock starts, and the clock waits for the device (``heads.machine.clock``)."""
+    backbone's device before the clock starts, and the clock waits for the device (``heads.machine.clock``).
+
+    ``after_prompt(results, done)``: called once every method has run prompt ``done - 1`` (bench.py saves its report
+    there, so a run killed later keeps what it finished). ``deadline`` (a ``time.perf_counter()`` value): no prompt is
+    started that would end after it, judged by the last prompt's time; the results then hold the prompts before it."""
     from tqdm.auto import tqdm
 
     if "baseline" not in methods:
@@ -127,7 +163,11 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
                 methods[name](prompt.input_ids.to(device), min(16, max_new_tokens))
         results = {name: MethodResult() for name in names}
         bar = tqdm(prompts, desc="bench", disable=not progress)
+        last = 0.0  # seconds the last prompt took, every method
         for i, prompt in enumerate(bar):
+            started = time.perf_counter()
+            if deadline is not None and started + last > deadline:
+                break
             order = names[i % len(names):] + names[: i % len(names)]
             input_ids = prompt.input_ids.to(device)  # [1, T]
             for name in order:
@@ -136,19 +176,29 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
                     tokens, drafting = methods[name](input_ids, max_new_tokens)
                     seconds = clock(device) - start
                 results[name].runs[i] = Run(tokens, seconds, counter.count, drafting)
+            last = time.perf_counter() - started
+            if after_prompt is not None:
+                after_prompt(results, i + 1)
     return results
 
 
-def _summary(runs: list[Run], base: list[Run]) -> dict:
+def _tokens_per_s(runs: list[Run]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
+
+
+def _summary(runs: list[Run], base: list[Run], compiled: list[Run] | None = None) -> dict:
     tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
-    base_tps = sum(len(r.tokens) for r in base) / sum(r.seconds for r in base)
-    tps = tokens / seconds if seconds else 0.0
+    tps, base_tps = _tokens_per_s(runs), _tokens_per_s(base)
     out = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tps, 3),
            "speedup": round(tps / base_tps, 4) if base_tps else None,
            "tau": round(tokens / max(sum(r.forwards for r in runs), 1), 4),
            "identical_rate": round(sum(r.tokens == b.tokens for r, b in zip(runs, base)) / len(runs), 4),
            "prompts": len(runs)}
+    if compiled is not None:  # the second baseline: compiled static-cache generate
+        compiled_tps = _tokens_per_s(compiled)
+        out["speedup_compiled"] = round(tps / compiled_tps, 4) if compiled_tps else None
     if runs and runs[0].drafting is not None:  # extra keys of tokenmaxx methods
         # share of accepted candidates per draft source
         totals = {k: sum(r.drafting["sources"][k] for r in runs) for k in runs[0].drafting["sources"]}
@@ -163,19 +213,27 @@ def _summary(runs: list[Run], base: list[Run]) -> dict:
     return out
 
 
+def compiled_name(names) -> str | None:
+    """The run's compiled static-cache baseline (``compiled`` or ``compiled:BACKEND``), if it has one."""
+    return next((n for n in names if n.partition(":")[0] == COMPILED), None)
+
+
 def summarize(results: dict[str, MethodResult], prompts: list[Prompt]) -> dict:
-    """Per method: overall and per category summaries (speedup and identity vs 'baseline')."""
+    """Per method: overall and per category summaries (speedup and identity vs 'baseline'; speedup_compiled vs the
+    compiled baseline when the run has one), over the prompts every method finished."""
     base = results["baseline"].runs
-    cats = sorted({p.category for p in prompts})
-    out = {}
-    for name, res in results.items():
-        idx = sorted(res.runs)
-        out[name] = {
-            "overall": _summary([res.runs[i] for i in idx], [base[i] for i in idx]),
-            "categories": {c: _summary([res.runs[i] for i in idx if prompts[i].category == c],
-                                       [base[i] for i in idx if prompts[i].category == c]) for c in cats},
-        }
-    return out
+    second = compiled_name(results)
+    compiled = results[second].runs if second is not None else None
+    done = sorted(set.intersection(*(set(res.runs) for res in results.values())))
+    cats = sorted({prompts[i].category for i in done})
+
+    def summary(runs: dict[int, Run], idx: list[int]) -> dict:
+        return _summary([runs[i] for i in idx], [base[i] for i in idx],
+                        [compiled[i] for i in idx] if compiled is not None else None)
+
+    return {name: {"overall": summary(res.runs, done),
+                   "categories": {c: summary(res.runs, [i for i in done if prompts[i].category == c]) for c in cats}}
+            for name, res in results.items()}
 
 
 def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list[dict]:
@@ -185,7 +243,9 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
     base = results["baseline"].runs
     rows = []
     for i, prompt in enumerate(prompts):
-        for name, res in results.items():  # run_benchmark runs every method on every prompt
+        if i not in base:  # not reached (a run stopped at its deadline)
+            continue
+        for name, res in results.items():  # run_benchmark runs every method on every prompt it reaches
             run = res.runs[i]
             row = {"question_id": prompt.question_id, "category": prompt.category, "method": name,
                    "tokens": len(run.tokens), "seconds": round(run.seconds, 4), "forwards": run.forwards,
@@ -212,16 +272,24 @@ def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
 def markdown_table(report: dict) -> str:
     methods = report["methods"]
     cats = list(next(iter(methods.values()))["categories"])
-    head = "| method | " + " | ".join(cats) + " | overall | tau | identical |\n"
-    head += "|---" * (len(cats) + 4) + "|\n"
+    compiled = compiled_name(methods)  # the second baseline's column, when the run has it
+    head = "| method | " + " | ".join(cats) + " | overall |" + (" vs compiled |" if compiled else "") + \
+        " tau | identical |\n"
+    head += "|---" * (len(cats) + 4 + bool(compiled)) + "|\n"
     rows = []
     for name, m in methods.items():
         cells = [f"{m['categories'][c]['speedup']:.2f}x ({m['categories'][c]['tau']:.2f})" for c in cats]
         o = m["overall"]
-        rows.append(f"| {name} | " + " | ".join(cells) +
-                    f" | **{o['speedup']:.2f}x** ({o['tokens_per_s']:.1f} tok/s) | {o['tau']:.2f} | "
-                    f"{o['identical_rate']:.0%} |")
+        if compiled:
+            cells.append(f"**{o['speedup']:.2f}x** ({o['tokens_per_s']:.1f} tok/s) | "
+                         + (f"{o['speedup_compiled']:.2f}x" if o["speedup_compiled"] else "n/a"))
+        else:
+            cells.append(f"**{o['speedup']:.2f}x** ({o['tokens_per_s']:.1f} tok/s)")
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {o['tau']:.2f} | {o['identical_rate']:.0%} |")
     table = head + "\n".join(rows) + "\n\nCells: speedup vs baseline (tau = tokens per backbone forward).\n"
+    if compiled:
+        table += (f"vs compiled: the overall speedup vs `{compiled}` (the second baseline: `generate` with a static "
+                  "cache, its decode step through torch.compile).\n")
     ours = {name: m["overall"] for name, m in methods.items() if "heads_round_share" in m["overall"]}
     if ours:  # where a round's time went, per tokenmaxx method
         table += ("\n| method | heads proposed in | propose | verify | accept | commit | accepted heads / lookup / both |"

@@ -5,7 +5,9 @@
         --methods baseline,prompt_lookup,tokenmaxx,hybrid,lookup --out runs/bench
 
 Writes OUT.json (config, machine, methods -> overall/categories), OUT.md (table), OUT.png (plot) and
-OUT.prompts.jsonl (one row per prompt and method, every prompt-lookup setting included: for paired comparisons).
+OUT.prompts.jsonl (one row per prompt and method, every prompt-lookup setting included: for paired comparisons). All
+but the plot are written again after every prompt, so a run killed midway keeps what it finished; ``--time_budget``
+ends it in time by itself (config.prompt_count: the prompts done, of config.prompts_planned).
 Bad input ends in one ``error: ...`` line and exit status 2; ``--debug`` (or ``TOKENMAXX_DEBUG=1``) shows the traceback.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,8 +26,9 @@ import torch
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
-from tokenmaxx.inference.benchmark import (hf_method, load_prompts, machine_info, markdown_table, plot, prompt_rows,
-                                           run_benchmark, summarize, tokenmaxx_method)
+from tokenmaxx.inference.benchmark import (COMPILED, compiled_method, hf_method, interleave_categories, load_prompts,
+                                           machine_info, markdown_table, plot, prompt_rows, run_benchmark, summarize,
+                                           tokenmaxx_method)
 from tokenmaxx.inference.drafting import NEEDS_HEADS
 from tokenmaxx.inference.forward import plan_record
 from tokenmaxx.scripts.errors import parse_flags, run_script
@@ -49,7 +54,10 @@ class BenchArgs:
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
     methods: str = field(default="baseline,prompt_lookup,assisted,tokenmaxx,lookup", metadata={
-        "help": "comma list of: baseline, prompt_lookup, assisted, tokenmaxx[:<tree>] (drafted as --draft says), "
+        "help": "comma list of: baseline, compiled[:BACKEND] (opt-in second baseline: generate with transformers' "
+                "static cache, its decode step through torch.compile; BACKEND default inductor, 'eager' traces without "
+                "generating code; compiling takes a minute or more, on a CPU several), prompt_lookup, assisted, "
+                "tokenmaxx[:<tree>] (drafted as --draft says), "
                 "hybrid[:<tree>] (heads + lookup branches), lookup (our loop, lookup branches only); "
                 "medusa[:<tree>], mtp[:<tree>], medusa_hybrid, mtp_hybrid (the same with heads of that kind, to "
                 "compare kinds in one run); tree = default | chain:K | auto | JSON file (Medusa), dynamic[:N], "
@@ -66,11 +74,17 @@ class BenchArgs:
         "help": "draft model for 'assisted' (alias/folder); default: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b"})
     warmup: int = field(default=2, metadata={"help": "prompts run (short) by every method before timing"})
     out: str = field(default="runs/bench", metadata={"help": "output path prefix (.json, .md, .png)"})
+    time_budget: float | None = field(default=None, metadata={
+        "help": "seconds for the whole run, loading and warm-up included: no prompt is started that would end after "
+                "it (judged by the last prompt's time), and the prompts take their categories in turn, so a run cut "
+                "short covers each about equally. The report says how many prompts ran"})
 
     def __post_init__(self):
         resolve_device(self.device)  # refuses a device this machine does not have
         if self.max_new_tokens <= 0 or self.threads <= 0:
             raise ValueError("--max_new_tokens and --threads must be positive")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise ValueError(f"--time_budget must be positive, got {self.time_budget}")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"--limit must be positive, got {self.limit}")
         if not Path(self.prompts).is_file():
@@ -125,12 +139,18 @@ def tokenmaxx_method_spec(name: str, default_draft: str) -> tuple[str, str | Non
     return draft, kind, tree or None, fixed, usual
 
 
-def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
-    """name -> callable(input_ids, max_new_tokens) -> new tokens; plus notes (skipped methods, choices)."""
+def build_methods(args: BenchArgs, model, tokenizer, max_cache_len: int) -> tuple[dict, dict]:
+    """name -> callable(input_ids, max_new_tokens) -> new tokens; plus notes (skipped methods, choices).
+    ``max_cache_len``: the compiled baseline's static cache (the longest prompt plus --max_new_tokens)."""
     methods, notes = {"baseline": hf_method(model)}, {}
     heads = {}  # (kind, spec) -> loaded heads, shared by the methods that use them
     for name in split_methods(args.methods):
         if name == "baseline":
+            continue
+        if name.partition(":")[0] == COMPILED:
+            backend = name.partition(":")[2] or "inductor"
+            methods[name] = compiled_method(model, max_cache_len, backend=backend)
+            notes[name] = f"generate with a static cache of {max_cache_len} positions, torch.compile backend {backend}"
             continue
         if name == "prompt_lookup":
             for k in [int(x) for x in args.lookup_tokens.split(",")]:
@@ -164,8 +184,8 @@ def build_methods(args: BenchArgs, model, tokenizer) -> tuple[dict, dict]:
                 notes[f"{name} small rows"] = plan_record(gen.costs.small_rows)
             methods[name] = tokenmaxx_method(gen)
         else:
-            raise ValueError(f"unknown method {name!r}: expected baseline, prompt_lookup, assisted, or one of "
-                             f"{TOKENMAXX_METHODS} (optionally :<tree>, @fixed, @usual)")
+            raise ValueError(f"unknown method {name!r}: expected baseline, compiled[:BACKEND], prompt_lookup, assisted, "
+                             f"or one of {TOKENMAXX_METHODS} (optionally :<tree>, @fixed, @usual)")
     return methods, notes
 
 
@@ -175,33 +195,84 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
-    args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
-    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
-    methods, notes = build_methods(args, model, tokenizer)
-    for name, note in notes.items():
-        if isinstance(note, str):
-            print(f"{name}: {note}", file=sys.stderr)
-    results = run_benchmark(model, methods, prompts, args.max_new_tokens, warmup=args.warmup)
+def probe_compiled(methods: dict, notes: dict, prompt, model) -> None:
+    """Compile the compiled baselines now, on four tokens of ``prompt``: one that fails to compile on this machine is
+    left out of the run, its error in the notes (a peer's baseline failing must not cost the whole run: on a lent GPU
+    there is no second try)."""
+    device = model.get_output_embeddings().weight.device
+    for name in [n for n in methods if n.partition(":")[0] == COMPILED]:
+        try:
+            with torch.inference_mode():
+                methods[name](prompt.input_ids.to(device), 4)  # compiled, then captured (CUDA graphs)
+        except Exception as err:  # noqa: BLE001 (said in the report, and on stderr)
+            del methods[name]
+            notes[name] = f"left out: compiling failed here: {type(err).__name__}: {str(err)[:300]}"
+            print(f"{name}: {notes[name]}", file=sys.stderr)
+
+
+def build_report(args: BenchArgs, model, prompts, results, notes: dict) -> dict:
+    """The report of the prompts every method has run (all of them, or those done before the run ended)."""
+    done = len(results["baseline"].runs)
     summary = summarize(results, prompts)
+    notes = dict(notes)
     lookups = {k: v for k, v in summary.items() if k.startswith("prompt_lookup:")}
     if lookups:  # report the best setting as prompt_lookup
         best = max(lookups, key=lambda k: lookups[k]["overall"]["tokens_per_s"])
         notes["prompt_lookup"] = {"best": best, "overall_by_setting": {k: v["overall"] for k, v in lookups.items()}}
         summary = {("prompt_lookup" if k == best else k): v for k, v in summary.items() if k == best or k not in lookups}
-    report = {"config": {**asdict(args), "prompt_count": len(prompts), "notes": notes},
-              "machine": machine_info(args.threads, args.dtype, model.get_output_embeddings().weight.device),
-              "methods": summary}
+    return {"config": {**asdict(args), "prompt_count": done, "prompts_planned": len(prompts), "notes": notes},
+            "machine": machine_info(args.threads, args.dtype, model.get_output_embeddings().weight.device),
+            "methods": summary}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Written under a temp name, then renamed: a run killed while writing leaves the previous version whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(out: Path, report: dict, rows: list[dict]) -> str:
+    """OUT.json, OUT.prompts.jsonl and OUT.md (returned) of a report so far."""
+    write_atomic(out.with_suffix(".json"), json.dumps(report, indent=2))
+    write_atomic(out.with_suffix(".prompts.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    table = markdown_table(report)
+    write_atomic(out.with_suffix(".md"), table)
+    return table
+
+
+def main(argv=None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
+    args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    if args.time_budget is not None:  # a run cut short covers every category
+        prompts = interleave_categories(prompts)
+    longest = max(p.input_ids.shape[1] for p in prompts) + args.max_new_tokens
+    methods, notes = build_methods(args, model, tokenizer, max_cache_len=longest)
+    for name, note in notes.items():
+        if isinstance(note, str):
+            print(f"{name}: {note}", file=sys.stderr)
+    probe_compiled(methods, notes, prompts[0], model)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    rows = prompt_rows(results, prompts)
-    out.with_suffix(".prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    table = markdown_table(report)
-    out.with_suffix(".md").write_text(table)
+
+    def after_prompt(results, done):  # saved after every prompt: a killed run keeps what it finished
+        save(out, build_report(args, model, prompts, results, notes), prompt_rows(results, prompts))
+
+    deadline = started + args.time_budget if args.time_budget is not None else None
+    results = run_benchmark(model, methods, prompts, args.max_new_tokens, warmup=args.warmup,
+                            after_prompt=after_prompt, deadline=deadline)
+    done = len(results["baseline"].runs)
+    if not done:
+        raise ValueError(f"--time_budget {args.time_budget:g} s ended the run before its first prompt (loading, "
+                         "measuring and the warm-up took it): give it more time")
+    if done < len(prompts):
+        print(f"bench: {done} of {len(prompts)} prompts within --time_budget {args.time_budget:g} s", file=sys.stderr)
+    report = build_report(args, model, prompts, results, notes)
+    table = save(out, report, prompt_rows(results, prompts))
     try:
         plot(report, out.with_suffix(".png"))
     except ImportError:

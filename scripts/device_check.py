@@ -3,10 +3,12 @@
     python scripts/device_check.py latency --device cuda --dtype bfloat16 --out latency.json
     python scripts/device_check.py report WORK OUT      # OUT/report.md; exit 1 when a check failed
 
-The report reads what the steps left in WORK: ``steps.tsv`` (step, exit status, seconds), ``env.txt``,
+The report reads what the steps left in WORK (or in OUT, where gpu_check.sh copies them as each step ends: the report
+can be made again from a device call's files): ``steps.tsv`` (step, exit status, seconds, the seconds it was allowed;
+status 124 or 137 with a limit: killed at it; limit 0: not started, the check's deadline had passed), ``env.txt``,
 ``fast_tier.log`` (pytest), ``identity_fp32.json`` (a bench in fp32: greedy identity of every mode),
 ``latency.json`` and ``bench.json`` (bf16 on a GPU, the CPU's dtype in the dry run; its identical rates are the match
-rates of that dtype).
+rates of that dtype). A bench that stopped at its --time_budget reports the prompts it finished, and says so.
 """
 
 from __future__ import annotations
@@ -55,13 +57,31 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _steps(work: Path) -> list[tuple[str, int, float]]:
+KILLED = (124, 137)  # timeout's status for a step it ended at its limit (TERM, then KILL)
+
+
+def _steps(work: Path) -> list[tuple[str, int, float, int | None]]:
+    """(step, exit status, seconds, the seconds it was allowed or None where not recorded)."""
     rows = []
     if (work / "steps.tsv").is_file():
         for line in (work / "steps.tsv").read_text().splitlines():
-            name, status, seconds = line.split("\t")
-            rows.append((name, int(status), float(seconds)))
+            name, status, seconds, *limit = line.split("\t")
+            rows.append((name, int(status), float(seconds), int(limit[0]) if limit else None))
     return rows
+
+
+def _step_note(status: int, limit: int | None) -> str:
+    if limit == 0:
+        return "not started: the check's deadline had passed"
+    if status in KILLED and limit is not None:
+        return f"killed at its limit of {limit} s"
+    return "" if status == 0 else "failed"
+
+
+def _coverage(result: dict) -> str:
+    """'' for a run of every planned prompt, else what it covered (a run stopped by its --time_budget)."""
+    done, planned = result["config"]["prompt_count"], result["config"].get("prompts_planned")
+    return "" if planned in (None, done) else f" (stopped at its time budget: {done} of {planned} prompts)"
 
 
 def _pytest_summary(log: Path) -> str:
@@ -77,6 +97,8 @@ def identity_lines(identity: dict | None) -> tuple[list[str], bool]:
     if identity is None:
         return ["- no result (the step failed or ran out of time)"], False
     ok, lines = True, []
+    if "config" in identity:  # how many prompts ran (a run stopped by its time budget says so)
+        lines.append(f"- {identity['config']['prompt_count']} prompts{_coverage(identity)}")
     for name, res in identity["methods"].items():
         if name == "baseline":
             continue
@@ -93,8 +115,9 @@ def report_main(args: argparse.Namespace) -> int:
     env = (work / "env.txt").read_text() if (work / "env.txt").is_file() else "(missing)\n"
     identity, latency, bench = (_read_json(work / f) for f in ("identity_fp32.json", "latency.json", "bench.json"))
     lines = ["# gpu_check report", "", "## Machine", "", "```", env.rstrip(), "```", "", "## Steps", "",
-             "| step | exit | seconds |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {status} | {seconds:.0f} |" for name, status, seconds in steps]
+             "| step | exit | seconds | allowed | note |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | {status} | {seconds:.0f} | {'' if limit is None else limit} | {_step_note(status, limit)} |"
+              for name, status, seconds, limit in steps]
     lines += ["", "## Fast tier (tiny random models)", "", f"- {_pytest_summary(work / 'fast_tier.log')}", "",
               "## Greedy identity, fp32, real backbone", ""]
     id_lines, identical = identity_lines(identity)
@@ -117,8 +140,17 @@ def report_main(args: argparse.Namespace) -> int:
     else:
         lines += ["- no result"]
     lines += ["", f"## Bench ({label})", ""]
-    lines += [markdown_table(bench).rstrip()] if bench is not None else ["- no result"]
-    failed = [name for name, status, _ in steps if status != 0]
+    if bench is not None:
+        config = bench["config"]
+        lines += [(f"{config['prompt_count']} prompts, {config['max_new_tokens']} new tokens each{_coverage(bench)}; "
+                   "tokens/s and speedup over eager `generate` (baseline) and, where it ran, over compiled "
+                   "static-cache `generate`"), ""]
+        missing = [f"- {name}: {note}" for name, note in config.get("notes", {}).items()  # methods that did not run
+                   if isinstance(note, str) and note.startswith(("left out", "skipped"))]
+        lines += missing + ([""] if missing else []) + [markdown_table(bench).rstrip()]
+    else:
+        lines += ["- no result"]
+    failed = [name for name, status, *_ in steps if status != 0]
     verdict = "PASS" if identical and not failed and steps else "FAIL"
     why = ([f"steps failed: {', '.join(failed)}"] if failed else []) + ([] if identical else ["fp32 identity"])
     lines += ["", f"## Verdict: {verdict}" + (f" ({'; '.join(why)})" if why else ""), ""]

@@ -1,5 +1,6 @@
-"""Fixtures (the helpers themselves are in helpers.py): a tiny random Llama / Qwen2 backbone per test; for the
-training tests, a tiny backbone saved to disk and a dataset of its own greedy answers."""
+"""Fixtures (the helpers themselves are in helpers.py): a tiny random Llama / Qwen2 backbone per test; ``on_cpu`` for
+tests of CPU-only behaviour; for the training tests, a tiny backbone saved to disk and a dataset of its own greedy
+answers (those need the ``datasets`` library, and skip where it is not installed, as on the GPU machine)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 from helpers import ANSWER_LEN, TEST_DEVICE, OnTestDevice, greedy_answers, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
@@ -18,6 +18,18 @@ from tokenmaxx.heads import load_backbone
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 if "TOKENMAXX_TEST_DEVICE" in os.environ:  # scripts/gpu_check.sh: the fast tier on a GPU (its dry run: on the CPU)
     OnTestDevice(TEST_DEVICE).__enter__()
+
+
+@pytest.fixture(autouse=True)
+def eager_on_the_test_device(request, monkeypatch):
+    """On an accelerator (``TOKENMAXX_TEST_DEVICE``) generators default to a static cache with captured passes
+    (``heads.capture``: torch.compile per shape). The fast tier checks what they compute, so there it runs those
+    passes uncompiled (compiling each tiny model's shapes would take most of the device's minutes); a test marked
+    ``capture`` compiles."""
+    if TEST_DEVICE.type != "cpu" and "capture" not in request.keywords:
+        from tokenmaxx.heads import capture
+
+        monkeypatch.setattr(capture.torch, "compile", lambda fn, **kwargs: fn)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,6 +63,14 @@ def model(request):
     return tiny_model(request.param)
 
 
+@pytest.fixture
+def on_cpu():
+    """For a test of what happens on the CPU alone (key/value-head sharing, the transposed small-row products, the
+    CPU's calibration keys): what it builds is made on the CPU whatever ``TOKENMAXX_TEST_DEVICE`` says, so under
+    scripts/gpu_check.sh it checks the CPU's behaviour instead of failing on the GPU's. Name it first
+    (``@pytest.mark.usefixtures("on_cpu")``): it must be active before fixtures that build models."""
+    with OnTestDevice(torch.device("cpu")):
+        yield
 
 
 # ---- training: a tiny backbone on disk and its own greedy answers ---------------------------------------------------
@@ -64,6 +84,7 @@ def backbone_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory, backbone_dir) -> Path:
+    datasets = pytest.importorskip("datasets", reason="the training data fixture needs the datasets library")
     model, _ = load_backbone(str(backbone_dir))
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -72,7 +93,7 @@ def data_dir(tmp_path_factory, backbone_dir) -> Path:
         for p, a in zip(prompts.tolist(), greedy_answers(model, prompts, ANSWER_LEN).tolist()):
             rows.append({"prompt": " ".join(map(str, p)), "prompt_ids": p, "answer_ids": a})
     path = tmp_path_factory.mktemp("data") / "tiny"
-    Dataset.from_list(rows).save_to_disk(str(path))
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
     ident, revision = str(backbone_dir), None
     (path / "provenance.json").write_text(json.dumps({"backbone": ident, "backbone_revision": revision,
                                                       "sampling": {"greedy": True}}))

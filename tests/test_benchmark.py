@@ -1,13 +1,19 @@
-"""bench.py end to end on a tiny model; the tree optimizer on hand-made tables; calibration cache keys."""
+"""bench.py end to end on a tiny model; the compiled static-cache baseline; a run that stops at its deadline keeps
+what it finished."""
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import tiny_model
 from tiny_tokenizer import tiny_tokenizer
+
+from tokenmaxx.inference.benchmark import (Prompt, compiled_method, hf_method, interleave_categories, markdown_table,
+                                           prompt_rows, run_benchmark, summarize)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,22 +36,23 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench.py"), "--backbone", str(tmp_path / "tiny"), "--heads",
          str(tmp_path / "mtp"), "--dtype", "float32", "--threads", "1", "--max_new_tokens", "12", "--prompts", str(prompts),
-         "--methods", "baseline,prompt_lookup,assisted,tokenmaxx,medusa:chain:2,hybrid,lookup,medusa,mtp,"
-         "mtp:dynamic:nodes=6,min_mass=0,mtp_hybrid", "--medusa_heads", "untrained",
+         "--methods", "baseline,compiled:eager,prompt_lookup,assisted,tokenmaxx,medusa:chain:2,hybrid,lookup,medusa,"
+         "mtp,mtp:dynamic:nodes=6,min_mass=0,mtp_hybrid", "--medusa_heads", "untrained",
          "--mtp_heads", str(tmp_path / "mtp"),
          "--lookup_tokens", "2,4",
-         "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+         "--warmup", "1", "--time_budget", "600", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.with_suffix(".json").read_text())
     assert set(report) == {"config", "machine", "methods"}
     ours = ("tokenmaxx", "medusa:chain:2", "hybrid", "lookup", "medusa", "mtp", "mtp:dynamic:nodes=6,min_mass=0",
             "mtp_hybrid")
-    assert set(report["methods"]) == {"baseline", "prompt_lookup", *ours}
+    assert set(report["methods"]) == {"baseline", "compiled:eager", "prompt_lookup", *ours}
+    assert report["config"]["prompt_count"] == report["config"]["prompts_planned"] == 2  # all ran within the budget
     assert report["config"]["notes"]["mtp:dynamic:nodes=6,min_mass=0 tree"] == {"nodes": 6, "topk": 8, "depth": None,
                                                                                  "min_mass": 0.0}
     assert report["config"]["notes"]["mtp tree"]["min_mass"] == 0.5  # the default
     assert "skipped" in report["config"]["notes"]["assisted"]
-    keys = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}
+    keys = {"tokens", "seconds", "tokens_per_s", "speedup", "speedup_compiled", "tau", "identical_rate", "prompts"}
     for name, m in report["methods"].items():
         assert set(m) == {"overall", "categories"}
         extra = {"accepted_share", "heads_round_share", "ms_per_round"} if name in ours else set()
@@ -59,7 +66,7 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
         assert report["methods"][name]["overall"]["identical_rate"] == 1.0  # fp32: exact
     assert out.with_suffix(".md").read_text().startswith("| method |")
     rows = [json.loads(line) for line in out.with_suffix(".prompts.jsonl").read_text().splitlines()]
-    raw = {"baseline", "prompt_lookup:2", "prompt_lookup:4", *ours}  # every setting, before the best is picked
+    raw = {"baseline", "compiled:eager", "prompt_lookup:2", "prompt_lookup:4", *ours}  # every setting, before the best
     assert {r["method"] for r in rows} == raw and len(rows) == len(raw) * report["config"]["prompt_count"]
     best = report["config"]["notes"]["prompt_lookup"]["best"]
     for name, m in report["methods"].items():  # the rows add up to the summaries
@@ -74,5 +81,70 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
                                           abs=1e-4)
             assert (share == 0) == (name == "lookup"), (name, share)  # untrained heads ran in the first rounds
             assert set(m["overall"]["ms_per_round"]) == {"propose", "verify", "accept", "commit"}
-    assert "heads proposed in" in out.with_suffix(".md").read_text()
+    assert "heads proposed in" in out.with_suffix(".md").read_text() and "| vs compiled |" in \
+        out.with_suffix(".md").read_text()
+    assert report["methods"]["compiled:eager"]["overall"]["identical_rate"] == 1.0
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def _prompts(n: int, categories=("qa", "math")) -> list[Prompt]:
+    ids = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5]])
+    return [Prompt(i, categories[i % len(categories)], ids) for i in range(n)]
+
+
+def test_the_compiled_static_cache_baseline_goes_through_torch_compile_and_generates_what_generate_does():
+    """compiled: transformers' static cache and its decode step through torch.compile (the "eager" backend here:
+    traced, no code generated, so seconds on a CPU); every method gains ``speedup_compiled`` over it."""
+    model = tiny_model("llama", seed=2)
+    model.generation_config.eos_token_id = None
+    prompts = _prompts(3)
+    torch._dynamo.reset()
+    try:
+        methods = {"baseline": hf_method(model), "compiled:eager": compiled_method(model, 64, backend="eager")}
+        results = run_benchmark(model, methods, prompts, 12, warmup=1, progress=False)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert graphs >= 1  # the decode step went through torch.compile
+    summary = summarize(results, prompts)
+    assert summary["compiled:eager"]["overall"]["identical_rate"] == 1.0
+    assert summary["compiled:eager"]["overall"]["speedup_compiled"] == 1.0
+    assert set(summary["baseline"]["categories"]["qa"]) >= {"speedup", "speedup_compiled"}
+    table = markdown_table({"methods": summary})
+    assert "| vs compiled |" in table and "vs `compiled:eager`" in table
+
+
+def test_a_run_stopped_at_its_deadline_keeps_and_summarizes_the_prompts_it_finished():
+    """Each prompt's results are handed on as soon as every method ran it (bench.py saves them then); no prompt starts
+    that would end after the deadline, judged by the last prompt's time."""
+    def slow(input_ids, max_new_tokens):
+        time.sleep(0.5)
+        return [5, 6, 7], None
+
+    model, prompts, seen = tiny_model("llama"), _prompts(4), []
+    results = run_benchmark(model, {"baseline": slow}, prompts, 3, warmup=0, progress=False,
+                            after_prompt=lambda results, done: seen.append((done, len(results["baseline"].runs))),
+                            deadline=time.perf_counter() + 0.6)
+    assert seen == [(1, 1)] and sorted(results["baseline"].runs) == [0]  # the second would have ended at ~1.0 s
+    summary = summarize(results, prompts)
+    assert summary["baseline"]["overall"]["prompts"] == 1 and set(summary["baseline"]["categories"]) == {"qa"}
+    assert [r["question_id"] for r in prompt_rows(results, prompts)] == [0]
+
+
+def test_interleaved_prompts_take_their_categories_in_turn():
+    prompts = [Prompt(i, c, torch.zeros(1, 1)) for i, c in enumerate(["a", "a", "a", "b", "c", "c"])]
+    assert [p.question_id for p in interleave_categories(prompts)] == [0, 3, 4, 1, 5, 2]
+
+
+def test_a_compiled_baseline_that_fails_to_compile_is_left_out_and_said_so(capsys):
+    from tokenmaxx.scripts import bench
+
+    def broken(input_ids, max_new_tokens):
+        raise RuntimeError("no compiler here")
+
+    model = tiny_model("llama")
+    methods, notes = {"baseline": hf_method(model), "compiled": broken}, {}
+    bench.probe_compiled(methods, notes, _prompts(1)[0], model)
+    assert set(methods) == {"baseline"}
+    assert notes["compiled"] == "left out: compiling failed here: RuntimeError: no compiler here"
+    assert "compiled: left out" in capsys.readouterr().err

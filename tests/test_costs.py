@@ -123,6 +123,7 @@ def test_the_method_imports_nothing_of_the_measuring_and_packages_import_one_way
             assert not {m for m in _imports(path) if m.startswith("heads.io") or m == "io"}, path.name
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 def test_the_first_measurement_is_announced_in_one_line_and_then_read_from_the_cache(monkeypatch, tmp_path, capsys):
     """What is measured and why, about how much, where it is cached and how to skip it: one line, once per backbone,
     dtype and machine (the measurements themselves are stubbed here: the line is the subject)."""

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from helpers import tiny_model
@@ -20,6 +19,8 @@ from tiny_tokenizer import tiny_tokenizer
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.data import DataConfig, DataStats, load_prompts, make_data, read_json_array, select_prompts, \
     sharegpt_path
+
+datasets = pytest.importorskip("datasets", reason="the datasets library (training data) is not installed here")
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2

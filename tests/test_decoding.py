@@ -93,6 +93,7 @@ def test_accept_greedy_on_hand_built_logits():
     assert acc.nodes.tolist() == [0] and acc.tokens == [31]
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypatch):
     """On CPU a tree forward that asks for it (the forward keyword from ``shared_kv_kwargs``, once the backbone is on
@@ -129,6 +130,7 @@ def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypa
     assert torch.equal(again.logits, plain.logits)
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 def test_kv_head_sharing_only_where_it_fits():
     """The switch is used for grouped-query models on CPU whose keys and values share one head size (<= 256)."""
     assert shares_kv_heads(tiny_model("llama")) and shares_kv_heads(tiny_model("qwen2"))
@@ -139,6 +141,7 @@ def test_kv_head_sharing_only_where_it_fits():
     assert not shares_kv_heads(model)
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_backbone_moved_onto_the_shared_kv_attention_generates_as_before(arch):
     """``load_backbone`` moves an SDPA backbone onto "tokenmaxx_sdpa"; everything else the user runs on it is unchanged:

@@ -182,6 +182,7 @@ def _fake_backbone(device: torch.device, dtype=torch.float32):
     return types.SimpleNamespace(get_output_embeddings=lambda: types.SimpleNamespace(weight=weight))
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 def test_calibration_keys_tell_devices_apart(monkeypatch):
     model = _model()
     heads = random_heads(model)
@@ -213,6 +214,7 @@ def test_calibration_keys_tell_cpu_instruction_sets_apart(monkeypatch):
     assert len(keys) == 2
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 def test_bf16_on_a_cpu_without_native_bf16_is_warned_about_when_loading(monkeypatch, tmp_path):
     """On an AVX2-only CPU bf16 verifies cost nearly a decode step per token (docs/benchmarks.md): from_pretrained says
     so when bf16 is asked for and names the fix; with native bf16, or in fp32, it says
@@ -256,6 +258,7 @@ def test_dtype_auto_is_bf16_off_the_cpu_and_bad_dtypes_are_refused():
         resolve_dtype("float8", torch.device("cpu"))
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 def test_kv_head_sharing_stays_off_off_the_cpu():
     model = _model()  # 4 query heads, 2 key/value heads
     assert shares_kv_heads(model)

@@ -4,7 +4,6 @@ compact, and holds no benchmark prompt."""
 import json
 from pathlib import Path
 
-import datasets
 import pytest
 from safetensors.torch import load_file
 
@@ -12,6 +11,8 @@ from tokenmaxx.heads import BACKBONES
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.data import load_exclusions, normalize
 from tokenmaxx.training.data_folder import category_counts, count_answer_tokens, features
+
+datasets = pytest.importorskip("datasets", reason="the datasets library (training data) is not installed here")
 
 REPO = Path(__file__).resolve().parents[1]
 KEPT = REPO / "distilled"

@@ -143,6 +143,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_and_says_so(monkeypatch)
 
 
 @pytest.mark.slow
+@pytest.mark.capture
 def test_captured_rounds_match_greedy():
     """torch.compile(mode="reduce-overhead") on the CPU: inductor compiles the verify forward per bucket and the
     EAGLE-3 module's pass per width (CUDA graphs are a GPU's addition); output identical in fp32, nothing fell

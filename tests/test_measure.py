@@ -381,6 +381,7 @@ def test_choose_small_rows_keeps_the_fastest_part_per_size_where_it_won():
     assert choose_small_rows(measured, min_gain=0.0) == {2: "all", 4: "head", 8: "body", 16: "body"}
 
 
+@pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 @pytest.mark.slow
 def test_small_rows_are_measured_once_per_machine(model, tmp_path, monkeypatch):
     calls = []

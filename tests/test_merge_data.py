@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 
@@ -16,6 +15,8 @@ from tiny_tokenizer import tiny_tokenizer
 from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.data import DataConfig, make_data
 from tokenmaxx.training.merge_data import merge_data
+
+datasets = pytest.importorskip("datasets", reason="the datasets library (training data) is not installed here")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -35,8 +35,8 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -49,6 +49,9 @@ from tokenmaxx.heads.io.backbones import DEVICE_HELP, DTYPES as BACKBONE_DTYPES,
 from .data_folder import SHARDS_DIR, assemble, count_answer_tokens, load_saved_dataset, partial_dir, prepare_output, \
     read_batch, remove, write_batch, write_shard
 from .train_config import THREADS_HELP, default_threads
+
+if TYPE_CHECKING:  # imported where a dataset is read or written (data_folder.py says why)
+    import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +222,8 @@ def read_jsonl(path: str | Path) -> Iterator[dict]:
 
 def read_datasets(source: str, split: str) -> Iterator[dict]:
     """Rows of a datasets folder (save_to_disk) or Hub dataset; a DatasetDict contributes ``split``."""
+    import datasets
+
     if Path(source).is_dir():
         data = load_saved_dataset(source, "--data", "'sharegpt', a .json or .jsonl file of prompts, a Hub dataset "
                                                     "name, or a folder written by datasets.save_to_disk")
@@ -445,6 +450,8 @@ def make_data(config: DataConfig, model=None, tokenizer=None, stats: DataStats |
         dataset = assemble(out, num_shards, provenance, [p.category for p, _ in prompts])
     else:
         remove(out / SHARDS_DIR)  # left over if a run was killed after its final commit
+        import datasets
+
         dataset = datasets.load_from_disk(str(out))
     stats.answered, stats.answer_tokens = len(dataset), count_answer_tokens(dataset)
     return dataset

@@ -9,18 +9,23 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
-import pyarrow.compute as pc
 import torch
 from safetensors.torch import load_file, save_file
 
+if TYPE_CHECKING:  # datasets (and pyarrow) are imported where a dataset is read or written: the rest of tokenmaxx, and
+    import datasets  # its fast test tier, runs where they are not installed (the GPU machine's image lacks them)
+
 TOKEN_DTYPES = {"int64": 2**63, "int32": 2**31, "uint16": 2**16}  # token id storage -> the ids it holds (below)
+COLUMNS = ("prompt", "prompt_ids", "answer_ids")  # a self-distilled dataset's columns (their types: ``features``)
 
 
 def features(token_dtype: str = "int64") -> datasets.Features:
     """The columns of a self-distilled dataset; token ids as int64 (what make_data writes), int32 (half the disk) or
     uint16 (a quarter, for vocabularies under 65,536: the copies kept in git, ``merge_data --token_dtype uint16``)."""
+    import datasets
+
     if token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"token_dtype must be one of {', '.join(TOKEN_DTYPES)}, got {token_dtype!r}")
     return datasets.Features({"prompt": datasets.Value("string"),
@@ -28,7 +33,6 @@ def features(token_dtype: str = "int64") -> datasets.Features:
                               "answer_ids": datasets.List(datasets.Value(token_dtype))})
 
 
-FEATURES = features()
 CATEGORY = "category"  # optional column (make_data writes it): what the records are counted and evaluated under
 TMP_PREFIX = ".tmp-"  # anything named so in the output folder is unfinished and removed on the next run
 SETTINGS_NAME, PROVENANCE_NAME, SHARDS_DIR = "settings.json", "provenance.json", "shards"
@@ -52,6 +56,8 @@ def load_saved_dataset(path: str | Path, flag: str = "--data", expected: str = S
                              "state.json): re-run the same make-data command to finish it")
         raise ValueError(f"{flag} {path} is not a saved dataset (no dataset_info.json and state.json, nor "
                          f"dataset_dict.json); expected {expected}")
+    import datasets
+
     return datasets.load_from_disk(str(path))
 
 
@@ -96,6 +102,8 @@ def prepare_output(out: Path, settings: dict, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def quiet_datasets():  # datasets' per-save progress bars would bury ours
+    import datasets
+
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -105,11 +113,15 @@ def quiet_datasets():  # datasets' per-save progress bars would bury ours
 
 
 def count_answer_tokens(dataset: datasets.Dataset) -> int:  # without materialising the column
+    import pyarrow.compute as pc
+
     return pc.sum(pc.list_value_length(dataset.data.column("answer_ids"))).as_py() or 0
 
 
 def category_counts(dataset: datasets.Dataset) -> dict[str, dict[str, int]] | None:
     """category -> {"records", "answer_tokens"} (sorted by category); None when the data has no category column."""
+    import pyarrow.compute as pc
+
     if CATEGORY not in dataset.column_names:
         return None
     lengths = pc.list_value_length(dataset.data.column("answer_ids")).to_pylist()
@@ -123,9 +135,11 @@ def category_counts(dataset: datasets.Dataset) -> dict[str, dict[str, int]] | No
 
 def write_shard(path: Path, rows: dict[str, list]) -> None:
     """Save one chunk's records under a temp name, then rename: the shard exists whole or not at all."""
+    import datasets
+
     tmp = path.with_name(TMP_PREFIX + path.name)
     with quiet_datasets():
-        datasets.Dataset.from_dict(rows, features=FEATURES).save_to_disk(str(tmp))
+        datasets.Dataset.from_dict(rows, features=features()).save_to_disk(str(tmp))
     os.replace(tmp, path)
 
 
@@ -176,6 +190,8 @@ def assemble(out: Path, num_shards: int, provenance: dict, categories: list[str]
     """Concatenate the shards into the final dataset in ``out`` (state.json moved in last), then drop the shards.
     ``categories``: one per record, in order, added as the ``category`` column (not kept in the shards: a folder
     whose shards were written before the column existed resumes the same)."""
+    import datasets
+
     shards = [datasets.load_from_disk(str(out / SHARDS_DIR / f"{i:05d}")) for i in range(num_shards)]
     dataset = datasets.concatenate_datasets(shards)
     if categories is not None:

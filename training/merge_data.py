@@ -14,13 +14,14 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-
-import datasets
-import pyarrow.compute as pc
+from typing import TYPE_CHECKING
 
 from .batches import read_provenance
-from .data_folder import (CATEGORY, FEATURES, PROVENANCE_NAME, TMP_PREFIX, TOKEN_DTYPES, category_counts,
+from .data_folder import (CATEGORY, COLUMNS, PROVENANCE_NAME, TMP_PREFIX, TOKEN_DTYPES, category_counts,
                           count_answer_tokens, features, load_saved_dataset, quiet_datasets, remove, write_json)
+
+if TYPE_CHECKING:  # imported where a dataset is read (data_folder.py says why)
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ COUNTED = ("num_records", "answer_tokens")  # counted on the merged rows
 
 
 def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
+    import datasets
+
     dataset = load_saved_dataset(path, "part")
     if not (path / PROVENANCE_NAME).is_file():
         raise FileNotFoundError(f"{path} has no {PROVENANCE_NAME}: expected a folder written by make_data "
@@ -36,7 +39,7 @@ def _read_part(path: Path) -> tuple[datasets.Dataset, dict]:
     provenance = read_provenance(path)
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(f"{path} holds splits {list(dataset)}; merge_data takes make_data outputs (one Dataset each)")
-    if missing := sorted(set(FEATURES) - set(dataset.column_names)):
+    if missing := sorted(set(COLUMNS) - set(dataset.column_names)):
         raise ValueError(f"{path} lacks columns {missing}; it has {dataset.column_names}")
     return dataset, provenance
 
@@ -51,6 +54,8 @@ def _conform(dataset: datasets.Dataset, wanted: datasets.Features) -> datasets.D
 
 def _check_ids_fit(paths: Sequence[Path], datasets_: Sequence[datasets.Dataset], token_dtype: str) -> None:
     """Refuse a storage type too small for the token ids (a cast would fail midway, or wrap)."""
+    import pyarrow.compute as pc
+
     limit = TOKEN_DTYPES[token_dtype]
     for path, dataset in zip(paths, datasets_):
         for column in ("prompt_ids", "answer_ids"):
@@ -85,6 +90,8 @@ def merge_data(parts: Sequence[str | Path], output_dir: str | Path, overwrite: b
 
     One part is a copy (with ``token_dtype="uint16"`` or ``"int32"``: a compact copy, e.g. to keep finished parts in
     git; ids a type cannot store are refused)."""
+    import datasets
+
     wanted = features(token_dtype)
     if not parts:
         raise ValueError("merge_data needs at least one dataset")
