@@ -75,3 +75,18 @@ def reads_are_free(device: torch.device) -> bool:
     so a round that reads mid-way stops feeding the device; drafters that could stop early on a value they read
     skip those reads there."""
     return device.type in UNQUEUED
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device``: the accelerator's free memory, or the CPU's available memory
+    (MemAvailable in /proc/meminfo); None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            line = next(line for line in Path("/proc/meminfo").read_text().splitlines()
+                        if line.startswith("MemAvailable:"))
+            return int(line.split()[1]) * 1024
+        except (OSError, StopIteration, ValueError):
+            return None
+    return None

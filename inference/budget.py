@@ -302,6 +302,7 @@ class BudgetDrafter:
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
         self.device = heads_drafter.device  # where the drafts live (the backbone's)
         self.latency = latency  # verify seconds per node count on this machine (None: keep the whole budget)
+        self.rows = 1  # rows whose trees one forward verifies (``share_forward``)
         self.min_ngram = lookup.shortest_ngram(1) if lookup is not None else 1
         self._reset()
 
@@ -315,6 +316,11 @@ class BudgetDrafter:
         self.prefix_len = 0  # tokens in the backbone's cache (all but the root)
         self._round: tuple[list, SharedTree, tuple[float, float]] | None = None  # branch estimates, shared tree,
         # and verify seconds without / with the heads-only nodes
+
+    def share_forward(self, rows: int) -> None:
+        """From now on this drafter's trees are verified in one forward with those of ``rows`` rows in all
+        (``batch.batched_decode``): its nodes are priced at that load (``VerifyLatency.at``)."""
+        self.rows = rows
 
     def describe(self) -> str:
         if self.lookup is not None:
@@ -342,7 +348,7 @@ class BudgetDrafter:
         budget = max(self.nodes, max((len(b) for b in branches), default=0) + 1)
         # sized from the cached latency table only (no wall-clock input): a seeded generation picks the same trees,
         # hence the same samples, every time
-        latency = self.latency.at(self.prefix_len) if self.latency is not None else None
+        latency = self.latency.at(self.prefix_len, self.rows) if self.latency is not None else None
         shared = share_lists(self.device, tokens, parents, values, branches,
                              [rel.values(len(b)) for rel, b in zip(rels, branches)], budget, latency,
                              self.calibration.scale, overhead=self.propose_cost if heads_ran else 0.0)

@@ -53,17 +53,26 @@ class VerifyLatency:
         if bad:
             raise ValueError(f"verify latency entries must be (nodes >= 1: seconds >= 0), got {bad[:3]}")
 
-    def at(self, prefix_len: int) -> dict[int, float]:
+    def at(self, prefix_len: int, rows: int = 1) -> dict[int, float]:
         """The table for a cache of ``prefix_len`` tokens: linear in the cache length between the measured lengths,
-        extended along the last segment past the longest, and the shortest's table below it."""
+        extended along the last segment past the longest, and the shortest's table below it.
+
+        ``rows``: trees of that many rows verified in one forward (``batch.batched_decode``). n nodes a row then
+        cost what ``rows * n`` tokens cost one row (the forward's work is its token count; each row's attention
+        over its own cache is what one row's is), so each node is ``rows`` times dearer: the budgets shrink as the
+        batch grows, down to the root alone (plain batched decoding) where no node pays."""
         lengths = sorted(self.tables)
         if prefix_len <= lengths[0] or len(lengths) == 1:
-            return dict(self.tables[lengths[0]])
-        hi = next((length for length in lengths if length >= prefix_len), lengths[-1])
-        lo = lengths[lengths.index(hi) - 1]
-        w = (prefix_len - lo) / (hi - lo)
-        # a blend of never-decreasing tables never decreases; a table with the dips of a small-row plan keeps them
-        return {n: (1 - w) * self.tables[lo][n] + w * self.tables[hi][n] for n in sorted(self.tables[lo])}
+            table = dict(self.tables[lengths[0]])
+        else:
+            hi = next((length for length in lengths if length >= prefix_len), lengths[-1])
+            lo = lengths[lengths.index(hi) - 1]
+            w = (prefix_len - lo) / (hi - lo)
+            # a blend of never-decreasing tables never decreases; a table with the dips of a small-row plan keeps them
+            table = {n: (1 - w) * self.tables[lo][n] + w * self.tables[hi][n] for n in sorted(self.tables[lo])}
+        if rows == 1:
+            return table
+        return {n: interpolate(table, rows * n) for n in range(1, max(table) + 1)}
 
 
 @dataclass(frozen=True)

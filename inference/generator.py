@@ -10,6 +10,7 @@ Each ``generate`` call makes a fresh drafter (``drafting.make_drafter``) and run
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -19,15 +20,16 @@ from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone, load_heads
 from tokenmaxx.heads.attention import shared_kv_kwargs
-from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_isa, cpu_name, reads_are_free
+from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_isa, cpu_name, free_memory, reads_are_free
 
+from .batch import BatchStats, batched_decode
 from .budget import GateConfig
 from .costs import Costs
 from .decoding import accept_greedy
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mode, make_drafter
 from .forward import CACHES, ForwardContext
 from .lookup import LookupConfig
-from .loop import GenerationStats, eos_ids, greedy_root, speculative_decode
+from .loop import STATIC_MARGIN, GenerationStats, eos_ids, greedy_root, speculative_decode
 from .measure import Calibration, announce_measuring, cached_small_rows, measure_costs, resolve_auto
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
@@ -37,7 +39,8 @@ from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_
 DEFAULT_DTYPE = "auto"
 AUTO = "auto"  # costs="auto": measure this machine (create / from_pretrained)
 
-__all__ = ["DEFAULT_DTYPE", "GenerationOutput", "GenerationStats", "SpeculativeGenerator"]
+__all__ = ["DEFAULT_DTYPE", "BatchOutput", "GenerationOutput", "GenerationStats", "SpeculativeGenerator"]
+MEMORY_HEADROOM = 0.8  # a batch may plan to use this share of the memory that is free before its prefill
 
 
 @dataclass
@@ -46,6 +49,23 @@ class GenerationOutput:
     new_tokens: list[int]
     stats: GenerationStats
     text: str | None = None  # decoded new tokens, when a tokenizer is known
+
+
+@dataclass
+class BatchOutput:
+    """What ``generate`` returns for several prompts: one ``GenerationOutput`` per row, in the prompts' order (each
+    row's ``sequences`` is its own prompt, unpadded, then its new tokens), and the batch's totals."""
+
+    rows: list[GenerationOutput]
+    stats: BatchStats
+
+    @property
+    def texts(self) -> list[str | None]:
+        return [row.text for row in self.rows]
+
+    @property
+    def new_tokens(self) -> list[list[int]]:
+        return [row.new_tokens for row in self.rows]
 
 
 class NoTrainedHeadsWarning(UserWarning):
@@ -189,12 +209,9 @@ class SpeculativeGenerator:
         """input_ids [1, T] on the backbone's device from a token tensor/list, a text, or chat messages (through the
         chat template).
 
-        One prompt per call: a list of texts or of chats is refused (batches are not supported yet), as are an empty
-        prompt, a chat message without content, and token ids outside the backbone's vocabulary."""
+        One prompt (``generate`` splits a batch into its rows first); an empty prompt, a chat message without
+        content, and token ids outside the backbone's vocabulary are refused."""
         device = self.model.get_output_embeddings().weight.device
-        if isinstance(prompt, (list, tuple)) and prompt and all(_is_text_or_chat(p) for p in prompt):
-            raise ValueError(f"batches are not supported yet: one prompt per call (got a list of {len(prompt)} "
-                             "prompts)")
         if isinstance(prompt, str) and not prompt.strip():
             raise ValueError(f"the prompt is empty ({'no text' if not prompt else 'only whitespace'}): expected text, "
                              "chat messages or token ids")
@@ -215,7 +232,7 @@ class SpeculativeGenerator:
         if ids.dim() != 2:
             raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(ids.shape)}")
         if ids.shape[0] != 1:
-            raise ValueError(f"only batch size 1 is supported, got a batch of {ids.shape[0]}")
+            raise ValueError(f"one prompt per encode, got a batch of {ids.shape[0]} (generate takes batches)")
         if ids.shape[1] == 0:
             raise ValueError("the prompt is empty (no tokens, or an empty list of messages)")
         vocab = self.model.get_input_embeddings().num_embeddings
@@ -225,6 +242,90 @@ class SpeculativeGenerator:
             raise ValueError(f"token ids out of the vocabulary: {shown} (the backbone's vocabulary has {vocab} ids, "
                              f"0..{vocab - 1})")
         return ids
+
+    # ---- batches ----------------------------------------------------------------------------------------------
+    def _rows(self, prompt, attention_mask) -> list[torch.Tensor] | None:
+        """A batch's rows as token ids [1, P_b] each, or None for a single prompt. Refuses, naming the row: an empty
+        row, rows of different kinds (texts, chats, token ids), and a mask that does not fit the ids."""
+        device = self.model.get_output_embeddings().weight.device
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and (prompt.shape[0] > 1 or attention_mask is not None):
+            if attention_mask is not None and tuple(attention_mask.shape) != tuple(prompt.shape):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but the ids have "
+                                 f"{tuple(prompt.shape)}: one mask entry per token")
+            mask = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            rows = []
+            for i in range(prompt.shape[0]):
+                if not mask[i].any():
+                    raise ValueError(f"row {i} of the batch is empty: its attention_mask marks no token")
+                rows.append(self.encode(prompt[i][mask[i].to(prompt.device)]))
+            return rows
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with token ids [B, T]; texts and chats are padded by tokenizing")
+        if not isinstance(prompt, (list, tuple)) or not prompt or _is_chat(prompt) or _kind(prompt) == "ids":
+            return None  # one prompt: text, chat, or token ids
+        kinds = [_kind(p) for p in prompt]
+        for i, kind in enumerate(kinds):
+            if kind is None:
+                raise ValueError(f"row {i} of the batch is not a prompt (got {type(prompt[i]).__name__}): a batch "
+                                 "is a list of texts, of chats (lists of messages) or of token-id lists")
+        if len(set(kinds)) > 1:
+            first = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
+            named = ", ".join(f"row {i} is {kind}" for kind, i in sorted(first.items(), key=lambda kv: kv[1]))
+            raise ValueError(f"a batch mixes prompt types ({named}): pass rows of one kind")
+        rows = []
+        for i, row in enumerate(prompt):
+            try:
+                rows.append(self.encode(row).to(device))
+            except ValueError as err:
+                raise ValueError(f"row {i} of the batch: {err}") from None
+        return rows
+
+    def _generate_rows(self, rows: list[torch.Tensor], max_new: list[int], accept, config,
+                       sample_root) -> BatchOutput:
+        """``generate`` for a batch (``batch.batched_decode``): the rows left-padded, checked against the context
+        and the free memory first."""
+        device = self.model.get_output_embeddings().weight.device
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        for i, (ids, new) in enumerate(zip(rows, max_new)):
+            if context is not None and ids.shape[1] + new > context:
+                raise ValueError(f"row {i}: prompt ({ids.shape[1]} tokens) + max_new_tokens ({new}) = "
+                                 f"{ids.shape[1] + new} exceeds the backbone's context of {context} tokens")
+        width = max(ids.shape[1] for ids in rows)
+        self._check_memory(len(rows), width + max(max_new))
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        for i, ids in enumerate(rows):
+            input_ids[i, width - ids.shape[1]:] = ids[0]
+            mask[i, width - ids.shape[1]:] = 1
+        choose_root = sample_root or (lambda logits, row: greedy_root(logits))
+        drafters = [self.make_drafter() for _ in rows]
+        tokens, stats = batched_decode(self.model, drafters, input_ids, mask, max_new, accept, choose_root,
+                                       eos_ids(config), forward=dataclasses.replace(self.forward, cache="dynamic",
+                                                                                    capture=False))
+        outputs = []
+        for ids, new, row_stats in zip(rows, tokens, stats.rows):
+            text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
+            sequences = torch.cat([ids, torch.tensor([new], dtype=torch.long, device=device)], dim=1)
+            outputs.append(GenerationOutput(sequences=sequences, new_tokens=new, stats=row_stats, text=text))
+        return BatchOutput(rows=outputs, stats=stats)
+
+    def _check_memory(self, rows: int, positions: int) -> None:
+        """MemoryError before the prefill when a batch of ``rows`` rows of up to ``positions`` cache entries (plus
+        the largest tree each) would not fit in ``MEMORY_HEADROOM`` of the memory free now: the KV cache, and the
+        verify's logits (rows x nodes x vocabulary, in fp32 for the acceptance)."""
+        config = self.model.config
+        weight = self.model.get_output_embeddings().weight
+        layers = getattr(config, "num_hidden_layers", 0)
+        kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(config.num_attention_heads, 1)
+        nodes = STATIC_MARGIN
+        cache = rows * (positions + nodes) * layers * 2 * kv_heads * head_dim * weight.element_size()
+        logits = rows * nodes * weight.shape[0] * 4
+        need, free = cache + logits, free_memory(weight.device)
+        if free is not None and need > MEMORY_HEADROOM * free:
+            raise MemoryError(f"a batch of {rows} rows of up to {positions} positions needs about {_size(need)} (KV "
+                              f"cache {_size(cache)}, verify logits {_size(logits)}) and {_size(free)} are free on "
+                              f"{weight.device}: use fewer rows or a smaller max_new_tokens")
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def _resolve_config(self, generation_config, max_new_tokens, overrides) -> tuple[GenerationConfig, int]:
@@ -240,12 +341,19 @@ class SpeculativeGenerator:
         return config, max_new_tokens
 
     @torch.inference_mode()
-    def generate(self, prompt, max_new_tokens: int | None = None, streamer=None, *, do_sample: bool | None = None,
-                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 min_p: float | None = None, seed: int | None = None, generator: torch.Generator | None = None,
-                 generation_config: GenerationConfig | None = None,
-                 typical: TypicalAcceptance | None = None) -> GenerationOutput:
+    def generate(self, prompt, max_new_tokens: int | list[int] | None = None, streamer=None, *,
+                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, min_p: float | None = None, seed: int | None = None,
+                 generator: torch.Generator | None = None, generation_config: GenerationConfig | None = None,
+                 typical: TypicalAcceptance | None = None,
+                 attention_mask: torch.Tensor | None = None) -> GenerationOutput | BatchOutput:
         """Speculative generation whose output is the backbone's own.
+
+        ``prompt``: one text, chat (a list of messages) or token ids [T] / [1, T] -> a ``GenerationOutput``; or a
+        batch -> a ``BatchOutput`` (one result per row): a list of texts, of chats, or of token-id lists, or ids
+        [B, T] (with ``attention_mask`` [B, T] marking each row's tokens when they are padded). The rows are verified
+        together, one backbone forward a round, each row's output what it would be alone; ``max_new_tokens`` may
+        then be a list (one per row). A streamer takes one prompt.
 
         Greedy (default, or ``do_sample=False``, or temperature 0): tokens equal ``model.generate(do_sample=False)``.
         Sampling (``do_sample=True`` with temperature / top_k / top_p / min_p, or a ``generation_config``): lossless
@@ -256,9 +364,20 @@ class SpeculativeGenerator:
         Stops at any EOS id of the generation config, or at ``max_new_tokens`` (default: the generation config's,
         else 128). A prompt plus ``max_new_tokens`` beyond the backbone's context is refused up front.
         """
+        rows = self._rows(prompt, attention_mask)
+        if rows is not None and streamer is not None:
+            raise ValueError(f"a streamer takes one prompt; this call has a batch of {len(rows)}: stream each prompt "
+                             "on its own, or generate the batch without a streamer")
+        if rows is None and isinstance(max_new_tokens, (list, tuple)):
+            raise ValueError("max_new_tokens is a list (one per row) but the prompt is a single prompt")
+        per_row = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else None
+        if rows is not None and per_row is not None and len(per_row) != len(rows):
+            raise ValueError(f"max_new_tokens lists {len(per_row)} values for a batch of {len(rows)} rows")
         config, max_new_tokens = self._resolve_config(
-            generation_config, max_new_tokens,
+            generation_config, per_row[0] if per_row else max_new_tokens,
             dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+        if per_row:
+            per_row = [self._resolve_config(generation_config, n, {})[1] for n in per_row]
         device = self.model.get_output_embeddings().weight.device  # where the backbone, heads and drafts run
         sampling = bool(config.do_sample) and config.temperature != 0
         if sampling:
@@ -272,6 +391,9 @@ class SpeculativeGenerator:
             raise ValueError("typical acceptance is a sampling rule: pass do_sample=True with a temperature > 0")
         else:
             accept = accept_greedy
+        if rows is not None:
+            return self._generate_rows(rows, per_row or [max_new_tokens] * len(rows), accept, config,
+                                       sampling and (lambda logits, row: sample(target_probs(logits, warpers), rng)))
         input_ids = self.encode(prompt)  # [1, P] on the device: so are the sequences, as from model.generate
         prompt_len = input_ids.shape[1]
         context = getattr(self.model.config, "max_position_embeddings", None)
@@ -284,6 +406,27 @@ class SpeculativeGenerator:
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
+
+
+def _size(size: float) -> str:
+    """Bytes for a message: "1.5 GiB", "12.0 MiB", "64.0 KiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size / 2**10:.1f} KiB"
+
+
+def _kind(prompt) -> str | None:
+    """What one row of a batch is: "text", "chat", "ids", or None for something else."""
+    if isinstance(prompt, str):
+        return "text"
+    if _is_chat(prompt):
+        return "chat"
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+        return "ids"
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return "ids"
+    return None
 
 
 def _on_backbone(heads: DraftHeads, model) -> DraftHeads:

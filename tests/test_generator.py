@@ -43,20 +43,22 @@ def test_context_overflow(gen):
     assert out.sequences.shape[1] == 256
 
 
-def test_batch_larger_than_one(gen):
-    with pytest.raises(ValueError, match="only batch size 1 is supported, got a batch of 2"):
-        gen.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=4)
+def test_ids_of_several_rows_are_a_batch(gen):
+    out = gen.generate(torch.tensor([[3, 4, 5], [6, 7, 8]]), max_new_tokens=4)
+    assert [row.sequences.tolist() for row in out.rows] == [
+        gen.generate(torch.tensor([ids]), max_new_tokens=4).sequences.tolist() for ids in ([3, 4, 5], [6, 7, 8])]
 
 
 @pytest.mark.parametrize("prompts", [["a", "b"], ("one", "two", "three"), [[{"role": "user", "content": "a"}],
                                                                         [{"role": "user", "content": "b"}]]])
-def test_a_list_of_prompts_is_refused_as_a_batch(gen, prompts):
+def test_a_list_of_prompts_is_a_batch(gen, prompts):
+    """Texts, chats and token lists: one result per row, each what its prompt gives alone."""
     gen.tokenizer = tiny_tokenizer()
-    with pytest.raises(ValueError, match=rf"batches are not supported yet: one prompt per call \(got a list of "
-                                         rf"{len(prompts)} prompts\)"):
-        gen.generate(prompts, max_new_tokens=4)
-    with pytest.raises(ValueError, match="only batch size 1 is supported, got a batch of 2"):  # token rows too
-        gen.generate([[3, 4], [5, 6]], max_new_tokens=4)
+    out = gen.generate(prompts, max_new_tokens=4)
+    assert [row.new_tokens for row in out.rows] == [gen.generate(p, max_new_tokens=4).new_tokens for p in prompts]
+    assert out.texts == [row.text for row in out.rows] and all(isinstance(t, str) for t in out.texts)
+    assert [row.new_tokens for row in gen.generate([[3, 4], [5, 6]], max_new_tokens=4).rows] == \
+        [gen.generate(p, max_new_tokens=4).new_tokens for p in ([3, 4], [5, 6])]
 
 
 @pytest.mark.parametrize("messages, index", [

@@ -1,0 +1,205 @@
+"""Speculative rounds over a batch: every row drafts its own tree, ONE backbone forward verifies all of them, each row
+accepts and commits its own length.
+
+Layout of the backbone's cache (transformers' ``DynamicCache``, rows [B, heads, C, dim]): the prompts are
+left-padded, so after the prefill every row's entries end at the same index; from then on each row keeps its own
+length L_b. A round appends every row's tree at the common end W = max L_b (trees padded to a common node count with
+nodes that see only themselves), then each row gathers its accepted path to L_b..L_b+m_b, and the cache is cropped
+to the new max L_b. A row that accepted less than the longest holds stale entries between its L_b and W ("holes"):
+``keys`` [B, C] marks each row's live entries, and the verify mask lets a node see exactly its row's live prefix and
+its own ancestors. Position ids are per row (its real tokens so far, plus the node's depth), so a row computes what it
+would alone. Holes were chosen over compacting every row to a common length each round (a copy of the whole cache
+per round, or per-row shifts of it) because they cost nothing but mask columns: at most the spread of the rows'
+accepted lengths since the last crop, which a crop to max L_b removes for the longest row each round.
+
+A row that finishes (EOS, its ``max_new_tokens``) leaves the batch: its cache rows are dropped, so later rounds
+neither verify nor attend for it.
+
+Letters: B rows, N tree nodes (common, padded), C cache entries, V vocabulary, F features the drafter reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from tokenmaxx.heads.drafting import Draft, Outcome, Prefill
+from tokenmaxx.heads.machine import clock
+from tokenmaxx.heads.modeling import backbone_features
+
+from .decoding import Accepted
+from .forward import ForwardContext
+from .loop import GenerationStats, _emitted, _last_logits_only
+
+Accept = Callable[[torch.Tensor, torch.Tensor, object], Accepted]
+
+
+@dataclass
+class BatchStats:
+    """Statistics of a batched generation: per row (``rows``, a ``GenerationStats`` each: its rounds, tokens, tau),
+    and the batch's own forwards and time."""
+
+    rows: list[GenerationStats]
+    forwards: int = 0  # backbone forwards after the prefill (each verifies every active row's tree)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    active_per_forward: list[int] = field(default_factory=list)  # rows still generating at each forward
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(r.new_tokens for r in self.rows)
+
+    @property
+    def wall_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"rows": [r.to_dict() for r in self.rows], "forwards": self.forwards, "new_tokens": self.new_tokens,
+                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                "wall_seconds": self.wall_seconds, "tokens_per_s": self.tokens_per_s}
+
+
+def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   max_new_tokens: Sequence[int], accept: Accept | Sequence[Accept],
+                   choose_root: Callable[[torch.Tensor, int], int], eos: set[int],
+                   forward: ForwardContext | None = None) -> tuple[list[list[int]], BatchStats]:
+    """Generate for B left-padded prompts at once: input_ids [B, T], attention_mask [B, T] (1 for real tokens, 0 for
+    the left padding); one drafter per row (``drafting.Drafter``), each row's ``max_new_tokens`` and acceptance rule
+    (one for all, or one per row); ``choose_root(logits [V], row)`` picks a row's first token. Returns each row's
+    new tokens and the statistics. Each row's tokens are what ``speculative_decode`` would give it alone."""
+    batch = input_ids.shape[0]
+    if len(drafters) != batch or len(max_new_tokens) != batch:
+        raise ValueError(f"{batch} rows need {batch} drafters and max_new_tokens, got {len(drafters)} and "
+                         f"{len(max_new_tokens)}")
+    accepts = list(accept) if isinstance(accept, (list, tuple)) else [accept] * batch
+    device = model.get_output_embeddings().weight.device
+    forward = forward or ForwardContext()
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device=device, dtype=torch.bool)
+    stats = BatchStats(rows=[GenerationStats(timed=False) for _ in range(batch)])
+    feature_layers = drafters[0].feature_layers
+
+    start = clock(device)
+    lengths = attention_mask.sum(1).tolist()  # real prompt tokens per row
+    cache = DynamicCache(config=model.config)
+    positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
+    out = model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=positions,
+                past_key_values=cache, use_cache=True, output_hidden_states=True,
+                **_last_logits_only(model, input_ids.shape[1]))
+    hidden = backbone_features(out.hidden_states, feature_layers)  # [B, T, F]
+    roots = [choose_root(out.logits[b, -1], b) for b in range(batch)]
+    width = input_ids.shape[1]
+    for b, drafter in enumerate(drafters):
+        real = slice(width - lengths[b], width)
+        drafter.start(Prefill(input_ids=input_ids[b, real], hidden=hidden[b, real], root=roots[b]))
+    stats.prefill_seconds = clock(device) - start
+
+    new_tokens = [[root] for root in roots]
+    rows = list(range(batch))  # the batch's rows still generating, by their index in the inputs
+    live = attention_mask.clone()  # [B', C] each active row's live cache entries
+    ends = [width] * batch  # per active row: cache index after its last live entry (L_b)
+    next_pos = list(lengths)  # per active row: position id of its root
+    start = clock(device)
+    while True:
+        keep = [i for i, row in enumerate(rows) if not _done(new_tokens[row], max_new_tokens[row], eos)]
+        if len(keep) < len(rows):  # finished rows leave the batch
+            rows = [rows[i] for i in keep]
+            if not rows:
+                break
+            index = torch.tensor(keep, device=device)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            live, ends, next_pos = live.index_select(0, index), [ends[i] for i in keep], [next_pos[i] for i in keep]
+        drafts: list[Draft] = []
+        for row in rows:  # the load each row's trees are priced at (budget drafters; others draft as they do)
+            if hasattr(drafters[row], "share_forward"):
+                drafters[row].share_forward(len(rows))
+        for row in rows:
+            room = max_new_tokens[row] - len(new_tokens[row]) - 1
+            drafts.append(drafters[row].propose(new_tokens[row][-1], room))
+        verified_logits, verified_hidden = _verify(model, cache, live, ends, next_pos, drafts, forward,
+                                                   feature_layers)
+        stats.forwards += 1
+        stats.active_per_forward.append(len(rows))
+        common = cache.get_seq_length() - verified_logits.shape[1]  # W: where every row's tree was appended
+        results = []
+        for i, row in enumerate(rows):
+            n = drafts[i].num_nodes
+            accepted = accepts[row](drafts[i].tokens, verified_logits[i, :n], drafts[i].buffers)
+            results.append(accepted)
+        live = _commit(cache, live, ends, common, results)
+        for i, row in enumerate(rows):
+            accepted, draft = results[i], drafts[i]
+            emitted = _emitted(accepted.tokens, max_new_tokens[row] - len(new_tokens[row]), eos)
+            outcome = Outcome(draft=draft, nodes=accepted.nodes, tokens=accepted.tokens,
+                              hidden=verified_hidden[i, accepted.nodes], emitted=emitted, path=accepted.path,
+                              token_ids=accepted.token_ids)
+            drafters[row].observe(outcome)
+            stats.rows[row].record(outcome, [])
+            new_tokens[row].extend(emitted)
+            next_pos[i] += len(accepted.path)
+    stats.decode_seconds = clock(device) - start
+    for row, tokens in enumerate(new_tokens):
+        stats.rows[row].new_tokens = len(tokens)
+        stats.rows[row].finish()
+    return new_tokens, stats
+
+
+def _done(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:
+    return tokens[-1] in eos or len(tokens) >= max_new_tokens
+
+
+def _verify(model, cache, live: torch.Tensor, ends: list[int], next_pos: list[int], drafts: list[Draft],
+            forward: ForwardContext, feature_layers) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over every active row's tree, appended at the cache's common end W. Trees are padded to the
+    largest one's node count; a padding node sees only itself. Returns logits [B', N, V] and features [B', N, F]."""
+    weight = model.get_output_embeddings().weight
+    device, dtype = weight.device, weight.dtype
+    rows, common = len(drafts), live.shape[1]
+    n = max(d.num_nodes for d in drafts)
+    tokens = torch.zeros(rows, n, dtype=torch.long, device=device)
+    visible = torch.zeros(rows, n, common + n, dtype=torch.bool, device=device)  # [B', N, W+N]
+    visible[:, :, :common] = live[:, None, :]
+    depths = torch.zeros(rows, n, dtype=torch.long, device=device)
+    pad_eye = torch.eye(n, dtype=torch.bool, device=device)
+    for i, draft in enumerate(drafts):
+        k = draft.num_nodes
+        buffers = draft.buffers.to(device)
+        tokens[i, :k] = draft.tokens
+        depths[i, :k] = buffers.depths
+        visible[i, :k, common: common + k] = buffers.attn_mask
+        if k < n:  # padding nodes: themselves only (their rows are never read)
+            visible[i, k:, :common] = False
+            visible[i, k:, common:] = pad_eye[k:]
+    bias = torch.zeros(rows, 1, n, common + n, dtype=dtype, device=device)
+    bias.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+    position_ids = torch.tensor(next_pos, device=device)[:, None] + depths  # [B', N]
+    out = forward(model, input_ids=tokens, attention_mask=bias, position_ids=position_ids, past_key_values=cache,
+                  use_cache=True, output_hidden_states=True)
+    return out.logits, backbone_features(out.hidden_states, feature_layers)
+
+
+def _commit(cache, live: torch.Tensor, ends: list[int], common: int, results: list[Accepted]) -> torch.Tensor:
+    """Each row's accepted path from its tree (appended at ``common``) to its own end L_b, and the cache cropped to
+    the longest row; ``ends`` follows in place. Returns the new live-entry mask [B', max L_b]."""
+    new_ends = [end + len(acc.path) for end, acc in zip(ends, results)]
+    longest = max(new_ends)
+    for layer in cache.layers:
+        for i, acc in enumerate(results):
+            src = common + acc.nodes
+            layer.keys[i, :, ends[i]: new_ends[i]] = layer.keys[i, :, src]
+            layer.values[i, :, ends[i]: new_ends[i]] = layer.values[i, :, src]
+    cache.crop(longest - cache.get_seq_length())
+    grown = torch.zeros(live.shape[0], longest, dtype=torch.bool, device=live.device)
+    width = min(live.shape[1], longest)
+    grown[:, :width] = live[:, :width]
+    for i in range(len(results)):
+        grown[i, ends[i]: new_ends[i]] = True
+    ends[:] = new_ends
+    return grown

@@ -1,0 +1,169 @@
+"""Batches (inference/batch.py, ``SpeculativeGenerator.generate`` with several prompts): every row's output is what
+that prompt gives alone (fp32 greedy: token for token; sampling: the same distribution), rows of different lengths
+drift apart and finish apart, the node budget follows the load, and bad batches are refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (OracleMTP, broken_accept, chi2_pvalue, exact_pair, greedy_reference, random_eagle3, random_heads,
+                     random_prompts, repeating_prompts, tiny_model)
+from transformers import GenerationConfig
+
+from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
+from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.inference import generator as generator_module
+from tokenmaxx.inference.batch import batched_decode
+from tokenmaxx.inference.costs import Costs, VerifyLatency
+from tokenmaxx.inference.decoding import accept_greedy
+from tokenmaxx.inference.drafting import DraftSettings, make_drafter
+from tokenmaxx.inference.sampling import build_warpers, target_probs
+
+
+def _alone(model, prompt: list[int], new: int) -> list[int]:
+    return greedy_reference(model, torch.tensor([prompt]), new)[0].tolist()
+
+
+def _eos_model(seed=3):
+    """A tiny backbone whose EOS id is a token one prompt reaches early (its row must stop there, the others not)."""
+    model = tiny_model("llama", seed=seed)
+    prompts = [p[0].tolist() for p, _ in repeating_prompts(model.config.vocab_size, seed=5, n=4)]
+    early = _alone(model, prompts[2], 30)[len(prompts[2]) + 4]  # prompt 2's 5th new token
+    model.generation_config.eos_token_id = early
+    return model, prompts
+
+
+@pytest.mark.parametrize("draft,kind", [("hybrid", "eagle3"), ("heads", "eagle3"), ("lookup", None),
+                                        ("hybrid", "medusa")])
+def test_each_row_is_what_its_prompt_gives_alone(draft, kind):
+    model, prompts = _eos_model()
+    heads = {"eagle3": lambda: random_eagle3(model, scale=0.05), "medusa": lambda: random_heads(model),
+             None: lambda: None}[kind]()
+    gen = SpeculativeGenerator(model, heads, draft=draft)
+    news = [24, 31, 30, 9]
+    out = gen.generate(prompts, max_new_tokens=news)
+    assert len(out.rows) == 4 and len({len(p) for p in prompts}) > 1  # rows of different lengths
+    for i, row in enumerate(out.rows):
+        assert row.sequences.tolist() == [_alone(model, prompts[i], news[i])], i
+    eos = model.generation_config.eos_token_id
+    assert out.rows[2].new_tokens[-1] == eos and len(out.rows[2].new_tokens) == 5  # ended early on EOS
+    assert out.stats.new_tokens == sum(len(r.new_tokens) for r in out.rows)
+    assert out.stats.active_per_forward[0] == 4 and out.stats.active_per_forward[-1] < 4  # finished rows left
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] and mask [B, T], each row's tokens at its end."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask
+
+
+def _greedy_root(logits, row):
+    return int(logits.argmax())
+
+
+def test_ids_with_a_padding_mask_and_long_accepted_paths():
+    """Rigged heads (long paths through side branches: each round gathers, rows drift apart by up to a tree's
+    depth): every row equals greedy alone; and through the API, ids [B, T] right-padded with their mask."""
+    model = tiny_model("llama", seed=1)
+    prompts = [p[0] for p, _ in random_prompts(5, model.config.vocab_size, seed=5)]
+    refs = [greedy_reference(model, p[None], 40) for p in prompts]
+    news = [30, 25, 40, 10, 33]
+    drafters = [OracleMTP(model, refs[i], p_top=0.6, seed=i).drafter(
+        model, DynamicTreeConfig(nodes=16, topk=3, depth=4, min_mass=0.2)) for i in range(5)]
+    with torch.no_grad():
+        tokens, stats = batched_decode(model, drafters, *_left_padded(prompts), news, accept_greedy, _greedy_root,
+                                       set())
+    for i in range(5):
+        assert tokens[i] == refs[i][0, len(prompts[i]):][:news[i]].tolist(), i
+    assert min(r.mean_tau for r in stats.rows) > 3.0  # long paths really were accepted
+    ids, mask = (t.flip(1) for t in _left_padded([p.flip(0) for p in prompts]))  # right-padded
+    out = SpeculativeGenerator(model, None, draft="lookup").generate(ids, max_new_tokens=news, attention_mask=mask)
+    for i, row in enumerate(out.rows):
+        assert row.sequences.tolist() == refs[i][:, : len(prompts[i]) + news[i]].tolist(), i
+
+
+def test_the_node_budget_follows_the_load():
+    """On a latency table flat to 16 tokens and linear past it, one row keeps its whole tree while sixteen rows
+    verify each row's root alone (plain batched decoding): a node would cost what sixteen tokens cost."""
+    latency = VerifyLatency({0: {1: 1.0, 8: 1.05, 16: 1.1, 32: 2.2, 64: 4.4, 128: 8.8, 256: 17.6}})
+    assert latency.at(0, rows=16)[1] == pytest.approx(1.1) and latency.at(0, rows=16)[2] == pytest.approx(2.2)
+    model = tiny_model("llama", seed=1)
+    prompts = [p[0] for p, _ in random_prompts(16, model.config.vocab_size, seed=5)]
+    refs = [greedy_reference(model, p[None], 12) for p in prompts]
+    tree = DynamicTreeConfig(nodes=8, topk=2, depth=3)
+
+    def run(rows):
+        drafters = [make_drafter("heads", model, OracleMTP(model, refs[i], p_top=1.0, seed=i),
+                                 DraftSettings(tree=tree, costs=Costs(latency=latency))) for i in range(rows)]
+        with torch.no_grad():
+            tokens, stats = batched_decode(model, drafters, *_left_padded(prompts[:rows]), [12] * rows,
+                                           accept_greedy, _greedy_root, set())
+        for i in range(rows):
+            assert tokens[i] == refs[i][0, len(prompts[i]):].tolist()
+        return max(r.mean_tau for r in stats.rows)
+
+    assert run(1) > 2.5  # alone: the tree pays
+    assert run(16) == 1.0  # sixteen rows: no node pays, speculation is off
+
+
+def test_bad_batches_are_refused_with_the_row_named(monkeypatch):
+    model = tiny_model()
+    gen = SpeculativeGenerator(model, None, draft="lookup")
+    with pytest.raises(ValueError, match=r"row 1 of the batch: the prompt is empty"):
+        gen.generate([[5, 6], []])
+    with pytest.raises(ValueError, match=r"a batch mixes prompt types \(row 0 is ids, row 1 is text\)"):
+        gen.generate([[5, 6], "text"])
+    with pytest.raises(ValueError, match="row 1 of the batch is empty: its attention_mask marks no token"):
+        gen.generate(torch.tensor([[5, 6], [0, 0]]), attention_mask=torch.tensor([[1, 1], [0, 0]]))
+    with pytest.raises(ValueError, match=r"row 0: prompt \(2 tokens\) \+ max_new_tokens \(300\)"):
+        gen.generate([[5, 6], [7, 8]], max_new_tokens=[300, 3])
+    with pytest.raises(ValueError, match="a streamer takes one prompt; this call has a batch of 2"):
+        gen.generate([[5, 6], [7, 8]], streamer=object())
+    with pytest.raises(ValueError, match="max_new_tokens lists 1 values for a batch of 2 rows"):
+        gen.generate([[5, 6], [7, 8]], max_new_tokens=[3])
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        gen.generate(torch.tensor([[5, 6], [7, 8]]), attention_mask=torch.tensor([[1, 1, 1]]))
+    monkeypatch.setattr(generator_module, "free_memory", lambda device: 1 << 16)  # 64 KiB free
+    calls = []
+    monkeypatch.setattr(generator_module, "batched_decode", lambda *a, **k: calls.append(1))
+    with pytest.raises(MemoryError, match=r"a batch of 2 rows of up to 12 positions needs about 6\d\d\.\d KiB \(KV "
+                                          r"cache .* are free on cpu: use fewer rows"):
+        gen.generate([[5, 6], [7, 8]], max_new_tokens=10)
+    assert calls == []  # refused before the prefill
+
+
+def _batch_pvalue(monkeypatch, broken: bool, calls: int = 30, rows: int = 50):
+    """Rows of two prompts of different lengths in each batch; the 2nd and 3rd new tokens of the first prompt's rows
+    against the exact distribution of plain sampling."""
+    model = tiny_model("llama", seed=11, vocab_size=16)
+    model.generation_config.eos_token_id = None
+    if broken:
+        monkeypatch.setattr(generator_module, "accept_sampling", broken_accept)
+    gen = SpeculativeGenerator(model, random_heads(model, seed=3), draft="hybrid")
+    warpers = build_warpers(GenerationConfig(do_sample=True, temperature=1.0))
+    prefix = [3, 4, 5, 3, 4]  # repeats: lookup branches too
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        p1 = target_probs(model(torch.tensor([prefix])).logits[0, -1], warpers)
+    exact = sum(p1[a] * exact_pair(model, torch.tensor(prefix + [a]), warpers) for a in range(vocab))
+    counts = torch.zeros(vocab * vocab)
+    for seed in range(calls):
+        out = gen.generate([prefix if i % 2 == 0 else [7, 8, 9] for i in range(rows)], max_new_tokens=3,
+                           do_sample=True, temperature=1.0, seed=seed)
+        for row in out.rows[::2]:
+            counts[row.new_tokens[1] * vocab + row.new_tokens[2]] += 1
+    return chi2_pvalue(counts, exact.flatten())
+
+
+@pytest.mark.slow
+def test_each_row_samples_from_its_own_distribution(monkeypatch):
+    assert _batch_pvalue(monkeypatch, broken=False) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_batch_distribution_test_has_teeth(monkeypatch):
+    assert _batch_pvalue(monkeypatch, broken=True) < 1e-3
