@@ -120,10 +120,11 @@ def grow_tree(root: torch.Tensor | int, root_logprobs: torch.Tensor,
     id of each log-prob column when they cover a draft vocabulary (default: column = token id).
 
     ``stop_early``: each level first asks whether any frontier node can still enter the kept set and whether the
-    frontier holds ``min_mass`` of the draft's probability, and stops if not: one host read per level. Without it
-    (a device where a read waits for the queue to drain) every level is drafted and nothing is read: a node that
-    cannot enter has its children dropped all the same, so the kept set is the one the checks give with
-    ``min_mass`` = 0. Shapes never depend on the draft's values. Returns the tree, nodes ordered by depth, then
+    frontier holds ``min_mass`` of the draft's probability, and stops if not (one host read per level), and
+    expands only the nodes that can (the frontier's width then depends on the draft's values). Without it (a device
+    where a read waits for the queue to drain) every level is drafted at the full width and nothing is read: a node
+    that cannot enter is computed but its children are dropped, so the kept set is the one the checks give with
+    ``min_mass`` = 0, and no shape depends on the draft's values. Returns the tree, nodes ordered by depth, then
     score (ties: creation order), its tensors and buffers on the device.
     """
     device = root_logprobs.device
@@ -148,6 +149,11 @@ def grow_tree(root: torch.Tensor | int, root_logprobs: torch.Tensor,
             mass = torch.where(live, front_scores.exp(), 0.0).sum()
             if not bool(live.any() & (mass >= min_mass)):
                 break  # nothing left to enter, or the draft expects too little of this level for one more pass
+            # where reads are free, so is a shape that depends on them: only the live nodes are computed
+            rows = live.nonzero().flatten()
+            frontier = Frontier(level=frontier.level, tokens=frontier.tokens[rows],
+                                parent_slot=frontier.parent_slot[rows], ancestors=frontier.ancestors[rows], live=live)
+            slots, front_scores, live = slots[rows], front_scores[rows], live[rows]
         frontier.live = live
         logprobs = expand(frontier).float()  # [F, V]
         top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)

@@ -47,6 +47,7 @@ class BatchStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     active_per_forward: list[int] = field(default_factory=list)  # rows still generating at each forward
+    nodes_per_forward: list[int] = field(default_factory=list)  # each forward's tree size per row (the largest row's)
 
     @property
     def new_tokens(self) -> int:
@@ -62,6 +63,7 @@ class BatchStats:
 
     def to_dict(self) -> dict:
         return {"rows": [r.to_dict() for r in self.rows], "forwards": self.forwards, "new_tokens": self.new_tokens,
+                "mean_nodes": sum(self.nodes_per_forward) / max(self.forwards, 1),
                 "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
                 "wall_seconds": self.wall_seconds, "tokens_per_s": self.tokens_per_s}
 
@@ -127,6 +129,7 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
                                                    feature_layers)
         stats.forwards += 1
         stats.active_per_forward.append(len(rows))
+        stats.nodes_per_forward.append(verified_logits.shape[1])
         common = cache.get_seq_length() - verified_logits.shape[1]  # W: where every row's tree was appended
         results = []
         for i, row in enumerate(rows):

@@ -328,3 +328,103 @@ def plot(report: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: list[int], max_new_tokens: int,
+                        repeats: int = 1, progress: bool = True, lookup_tokens: int = 10) -> dict:
+    """Batched generation against transformers' batched greedy ``generate`` on the same left-padded rows, one
+    interleaved run: for each repeat and batch size B (the first B prompts, cycled), both in turn (order alternating),
+    and at B = 1 transformers' prompt lookup too (it takes one row). After one warm-up of each at B = 1.
+
+    Per size: total new tokens / s of each, the speedup, per-token latency (seconds per new token of a row: wall time
+    over the mean row length), the tree size per row our forwards verified (1: speculation off), the mean tau, and
+    the share of rows whose tokens equal transformers' batched rows."""
+    from tqdm.auto import tqdm
+
+    device = model.get_output_embeddings().weight.device
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        eos = model.generation_config.eos_token_id
+        pad = eos if isinstance(eos, int) else (eos or [0])[0]
+
+    def rows_of(size: int) -> list[list[int]]:
+        return [prompts[i % len(prompts)].input_ids[0].tolist() for i in range(size)]
+
+    def hf(rows: list[list[int]], **kwargs) -> tuple[list[list[int]], float]:
+        width = max(map(len, rows))
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        start = clock(device)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad, **kwargs)
+        seconds = clock(device) - start
+        return [_until_eos(out[i, width:].tolist(), model.generation_config) for i in range(len(rows))], seconds
+
+    def ours(rows: list[list[int]]) -> tuple[list[list[int]], float, object]:
+        start = clock(device)
+        out = generator.generate(rows, max_new_tokens=max_new_tokens)
+        return out.new_tokens, clock(device) - start, out.stats
+
+    sizes: dict[int, dict] = {b: {"hf_seconds": 0.0, "hf_tokens": 0, "seconds": 0.0, "tokens": 0, "forwards": 0,
+                                  "nodes": 0, "tau": [], "identical": [], "row_tokens": 0} for b in batch_sizes}
+    with torch.inference_mode():
+        hf(rows_of(1)[:1])  # warm-up
+        ours(rows_of(1)[:1])
+        lookup = {"seconds": 0.0, "tokens": 0}
+        steps = [(r, b) for r in range(repeats) for b in batch_sizes]
+        for i, (repeat, size) in enumerate(tqdm(steps, desc="batch bench", disable=not progress)):
+            rows, entry = rows_of(size), sizes[size]
+            first, second = ("hf", "ours") if i % 2 == 0 else ("ours", "hf")
+            for which in (first, second):
+                if which == "hf":
+                    hf_rows, seconds = hf(rows)
+                    entry["hf_seconds"] += seconds
+                    entry["hf_tokens"] += sum(map(len, hf_rows))
+                else:
+                    our_rows, seconds, stats = ours(rows)
+                    entry["seconds"] += seconds
+                    entry["tokens"] += sum(map(len, our_rows))
+                    entry["forwards"] += stats.forwards
+                    entry["nodes"] += sum(stats.nodes_per_forward)
+                    entry["tau"].extend(r.mean_tau for r in stats.rows)
+            entry["identical"].extend(a == b for a, b in zip(our_rows, hf_rows))
+            entry["row_tokens"] += sum(map(len, our_rows)) / size
+            if size == 1:
+                start = clock(device)
+                out = model.generate(torch.tensor(rows, device=device), max_new_tokens=max_new_tokens,
+                                     do_sample=False, prompt_lookup_num_tokens=lookup_tokens,
+                                     attention_mask=torch.ones(1, len(rows[0]), dtype=torch.long, device=device))
+                lookup["seconds"] += clock(device) - start
+                lookup["tokens"] += len(_until_eos(out[0, len(rows[0]):].tolist(), model.generation_config))
+    report = {}
+    for size, e in sizes.items():
+        tps, hf_tps = e["tokens"] / e["seconds"], e["hf_tokens"] / e["hf_seconds"]
+        report[size] = {"tokens_per_s": round(tps, 2), "hf_tokens_per_s": round(hf_tps, 2),
+                        "speedup": round(tps / hf_tps, 3),
+                        "ms_per_token": round(1000 * e["seconds"] / e["row_tokens"], 2),
+                        "hf_ms_per_token": round(1000 * e["hf_seconds"] / e["row_tokens"], 2),
+                        "nodes_per_row": round(e["nodes"] / max(e["forwards"], 1), 2),
+                        "tau": round(sum(e["tau"]) / len(e["tau"]), 3),
+                        "identical": round(sum(e["identical"]) / len(e["identical"]), 3)}
+        if size == 1 and lookup["seconds"]:
+            report[size]["hf_prompt_lookup_tokens_per_s"] = round(lookup["tokens"] / lookup["seconds"], 2)
+    return report
+
+
+def _until_eos(tokens: list[int], generation_config) -> list[int]:
+    """A row of transformers' batched output as its own: cut after its first EOS (the rest is padding)."""
+    eos = generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else (eos or []))
+    stop = next((i for i, tok in enumerate(tokens) if tok in eos), None)
+    return tokens if stop is None else tokens[: stop + 1]
+
+
+def batch_table(report: dict) -> str:
+    """Markdown table of ``run_batch_benchmark``'s report."""
+    lines = ["| batch | tokenmaxx tok/s | generate tok/s | speedup | ms/token (ours, generate) | nodes per row | tau "
+             "| identical |", "|---|---|---|---|---|---|---|---|"]
+    for size, r in report.items():
+        lines.append(f"| {size} | {r['tokens_per_s']} | {r['hf_tokens_per_s']} | {r['speedup']}x | "
+                     f"{r['ms_per_token']}, {r['hf_ms_per_token']} | {r['nodes_per_row']} | {r['tau']} | "
+                     f"{100 * r['identical']:.0f}% |")
+    return "\n".join(lines)

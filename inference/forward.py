@@ -134,12 +134,14 @@ class ForwardContext:
         """A ``kv.StaticKV`` for a generation of up to ``positions`` positions (prompt, new tokens, the largest padded
         tree): this thread's last one when it is for ``model`` and large enough, else a new one of the next power of
         two (at least ``MIN_STATIC``) positions. Reusing one cache keeps its tensors at one address and its mask at
-        one width: a captured forward is compiled and recorded once, not per prompt length."""
-        from .kv import StaticKV  # (kv imports nothing of this module's users)
+        one width: a captured forward is compiled and recorded once, not per prompt length. Captured verifies pad
+        trees to the few sizes of ``kv.CAPTURE_BUCKETS`` (one compile each), others to ``kv.BUCKETS``."""
+        from .kv import BUCKETS, CAPTURE_BUCKETS, StaticKV  # (kv imports nothing of this module's users)
 
         kv = getattr(self._pool, "kv", None)
         if kv is None or kv.model_ref() is not model or kv.max_len < positions:
-            kv = StaticKV(model, max(MIN_STATIC, 1 << (positions - 1).bit_length()))
+            kv = StaticKV(model, max(MIN_STATIC, 1 << (positions - 1).bit_length()),
+                          buckets=CAPTURE_BUCKETS if self.capture else BUCKETS)
             self._pool.kv = kv
         return kv
 

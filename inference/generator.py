@@ -345,15 +345,17 @@ class SpeculativeGenerator:
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, min_p: float | None = None, seed: int | None = None,
                  generator: torch.Generator | None = None, generation_config: GenerationConfig | None = None,
-                 typical: TypicalAcceptance | None = None,
-                 attention_mask: torch.Tensor | None = None) -> GenerationOutput | BatchOutput:
+                 typical: TypicalAcceptance | None = None, attention_mask: torch.Tensor | None = None,
+                 timed: bool | None = None) -> GenerationOutput | BatchOutput:
         """Speculative generation whose output is the backbone's own.
 
         ``prompt``: one text, chat (a list of messages) or token ids [T] / [1, T] -> a ``GenerationOutput``; or a
         batch -> a ``BatchOutput`` (one result per row): a list of texts, of chats, or of token-id lists, or ids
         [B, T] (with ``attention_mask`` [B, T] marking each row's tokens when they are padded). The rows are verified
         together, one backbone forward a round, each row's output what it would be alone; ``max_new_tokens`` may
-        then be a list (one per row). A streamer takes one prompt.
+        then be a list (one per row). A streamer takes one prompt. ``timed``: time each round's phases
+        (``stats.phase_seconds``), which on an accelerator waits for it four times a round; None: where that is free
+        (a CPU).
 
         Greedy (default, or ``do_sample=False``, or temperature 0): tokens equal ``model.generate(do_sample=False)``.
         Sampling (``do_sample=True`` with temperature / top_k / top_p / min_p, or a ``generation_config``): lossless
@@ -402,7 +404,8 @@ class SpeculativeGenerator:
                              f"{prompt_len + max_new_tokens} exceeds the backbone's context of {context} tokens")
         choose_root = (lambda logits: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
         new_tokens, stats = speculative_decode(self.model, self.make_drafter(), input_ids, max_new_tokens, accept,
-                                               choose_root, eos_ids(config), streamer=streamer, forward=self.forward)
+                                               choose_root, eos_ids(config), streamer=streamer, forward=self.forward,
+                                               timed=timed)
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)

@@ -25,6 +25,9 @@ import torch
 from transformers import StaticCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tree sizes a verify is padded to (a multiple of the last past it)
+# ... when the verify is captured: each size is one more compile (tens of seconds for a real backbone), while on a GPU
+# a forward of 16 or 64 tokens costs about what one of 2 costs (launch-bound), so padding is nearly free
+CAPTURE_BUCKETS = (16, 64, 256)
 
 
 def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:

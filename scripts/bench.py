@@ -26,9 +26,9 @@ import torch
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
-from tokenmaxx.inference.benchmark import (COMPILED, compiled_method, hf_method, interleave_categories, load_prompts,
-                                           machine_info, markdown_table, plot, prompt_rows, run_benchmark, summarize,
-                                           tokenmaxx_method)
+from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
+                                           load_prompts, machine_info, markdown_table, plot, prompt_rows,
+                                           run_batch_benchmark, run_benchmark, summarize, tokenmaxx_method)
 from tokenmaxx.inference.drafting import NEEDS_HEADS
 from tokenmaxx.inference.forward import plan_record
 from tokenmaxx.scripts.errors import parse_flags, run_script
@@ -79,8 +79,23 @@ class BenchArgs:
                 "it (judged by the last prompt's time), and the prompts take their categories in turn, so a run cut "
                 "short covers each about equally. The report says how many prompts ran"})
 
+    batch_sizes: str | None = field(default=None, metadata={
+        "help": "comma list of batch sizes (e.g. 1,2,4,8,16): instead of the per-prompt methods, batched "
+                "generation (--draft drafting, the shipped or --heads heads) against transformers' batched greedy "
+                "generate on the same left-padded rows, interleaved; prompt lookup at batch 1"})
+    repeats: int = field(default=2, metadata={"help": "--batch_sizes: rounds over the sizes"})
+
     def __post_init__(self):
         resolve_device(self.device)  # refuses a device this machine does not have
+        if self.batch_sizes is not None:
+            try:
+                sizes = [int(x) for x in self.batch_sizes.split(",")]
+            except ValueError:
+                sizes = []
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"--batch_sizes {self.batch_sizes!r}: expected positive integers such as 1,2,4,8,16")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be positive, got {self.repeats}")
         if self.max_new_tokens <= 0 or self.threads <= 0:
             raise ValueError("--max_new_tokens and --threads must be positive")
         if self.time_budget is not None and self.time_budget <= 0:
@@ -248,6 +263,8 @@ def main(argv=None) -> int:
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
     args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    if args.batch_sizes is not None:
+        return batch_main(args, model, tokenizer, prompts)
     if args.time_budget is not None:  # a run cut short covers every category
         prompts = interleave_categories(prompts)
     longest = max(p.input_ids.shape[1] for p in prompts) + args.max_new_tokens
@@ -277,6 +294,26 @@ def main(argv=None) -> int:
         plot(report, out.with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
+    print(table)
+    return 0
+
+
+def batch_main(args: BenchArgs, model, tokenizer, prompts) -> int:
+    """--batch_sizes: batched generation against transformers' batched generate (``run_batch_benchmark``)."""
+    heads = resolve_heads(args.heads, model, args.backbone) if args.draft != "lookup" else None
+    gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, draft=args.draft)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    report = {"config": {"backbone": args.backbone, "dtype": args.dtype, "draft": args.draft,
+                         "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "repeats": args.repeats,
+                         "drafter": gen.describe()},
+              "machine": machine_info(args.threads, args.dtype, model.get_output_embeddings().weight.device),
+              "batch": run_batch_benchmark(model, gen, interleave_categories(prompts), sizes, args.max_new_tokens,
+                                           repeats=args.repeats)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = batch_table(report["batch"])
+    write_atomic(out.with_suffix(".json"), json.dumps(report, indent=1))
+    write_atomic(out.with_suffix(".md"), table + "\n")
     print(table)
     return 0
 

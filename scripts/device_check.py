@@ -17,6 +17,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +47,122 @@ def latency_main(args: argparse.Namespace) -> int:
               "ratio_to_1": {str(n): round(s / seconds[sizes[0]], 4) for n, s in seconds.items()}}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["ms"]))
+    return 0
+
+
+# ---- the sizes users run: random-weight twins -------------------------------------------------------------------
+TWINS = {  # the shapes of the backbones users run (from their published configs); weights random, made on the device
+    "llama-3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   rope_theta=500000.0, max_position_embeddings=8192)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 rope_theta=1000000.0, max_position_embeddings=8192)),
+}
+TINY_TWIN = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512)  # the dry run's stand-in for either shape
+
+
+class OracleChain:
+    """A drafter that proposes the backbone's own greedy continuation as a chain ``depth`` deep (every node is
+    accepted: tau = depth + 1), after running the real heads' proposal (its cost paid, its tree unused): what a round
+    costs at this size, apart from acceptance."""
+
+    def __init__(self, inner, continuation: torch.Tensor, depth: int):
+        self.inner, self.continuation, self.depth = inner, continuation, depth  # continuation [T] on the device
+        self.feature_layers = inner.feature_layers
+        self.done = 0  # tokens of the continuation emitted so far (the root is the last of them)
+
+    def start(self, prefill) -> None:
+        self.inner.start(prefill)
+        self.done = 1
+
+    def propose(self, root: int, room: int):
+        from tokenmaxx.heads.drafting import HEADS, Draft
+        from tokenmaxx.heads.tree import chain
+
+        self.inner.propose(root, room)
+        depth = max(0, min(self.depth, room, self.continuation.numel() - self.done))
+        tokens = self.continuation[self.done - 1: self.done + depth]  # the root, then the chain
+        return Draft(tokens=tokens, buffers=chain(depth).buffers, sources=torch.full_like(tokens, HEADS),
+                     values=torch.ones_like(tokens, dtype=torch.float))
+
+    def observe(self, outcome) -> None:
+        self.inner.observe(outcome)
+        self.done += len(outcome.tokens)
+
+
+def twin_main(args: argparse.Namespace) -> int:
+    """Per twin: decode ms per token (eager greedy ``generate``), the verify curve at two cache lengths, and the
+    oracle drafter's speedup over that decode at a few depths, with random EAGLE-3 heads proposing each round."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from tokenmaxx.heads import Eagle3Heads
+    from tokenmaxx.heads.machine import clock
+    from tokenmaxx.inference.decoding import accept_greedy
+    from tokenmaxx.inference.forward import ForwardContext
+    from tokenmaxx.inference.loop import greedy_root, speculative_decode
+    from tokenmaxx.inference.measure.latency import measure_latency
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    records = {}
+    for name in args.twins.split(","):
+        arch, shape = TWINS[name]
+        shape = {**shape, **TINY_TWIN} if args.tiny else shape
+        config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+        started = time.perf_counter()
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # made in the target dtype, on the device: nothing travels
+        try:
+            with torch.device(device):
+                model = model_cls(config_cls(**shape, attn_implementation="sdpa")).eval()
+                heads = Eagle3Heads.for_backbone(model, num_heads=max(args.depths)).eval()
+        finally:
+            torch.set_default_dtype(default)
+        model.requires_grad_(False)
+        model.generation_config.eos_token_id = None
+        made = time.perf_counter() - started
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(model.config.vocab_size, (1, args.prompt_len), generator=gen).to(device)
+        record = {"shape": shape, "seconds_to_build": round(made, 1)}
+        with torch.inference_mode():
+            model.generate(prompt, max_new_tokens=4, do_sample=False)  # warm-up
+            start = clock(device)
+            reference = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                       max_new_tokens=args.new_tokens, do_sample=False)
+            decode = (clock(device) - start) / args.new_tokens
+            record["decode_ms_per_token"] = round(decode * 1e3, 3)
+            record["verify_ms"] = {}
+            for prefix in (256, 1024):
+                seconds = measure_latency(model, sizes=[int(s) for s in args.sizes.split(",")], prefix_len=prefix,
+                                          repeats=args.repeats, statistic="median")
+                record["verify_ms"][str(prefix)] = {str(n): round(t * 1e3, 3) for n, t in seconds.items()}
+            continuation = reference[0, args.prompt_len:]
+            forward = ForwardContext(cache="static", capture=args.capture)
+            record["oracle"] = {}
+            for depth in [int(d) for d in args.depths]:
+                speculative_decode(model, OracleChain(heads.drafter(model, capture=args.capture), continuation, depth),
+                                   prompt, 8, accept_greedy, greedy_root, set(),
+                                   forward=forward)  # warm-up (and the compiles, when captured)
+                drafter = OracleChain(heads.drafter(model, capture=args.capture), continuation, depth)
+                start = clock(device)
+                tokens, stats = speculative_decode(model, drafter, prompt, args.new_tokens, accept_greedy,
+                                                   greedy_root, set(), forward=forward)
+                seconds = clock(device) - start
+                assert tokens == continuation.tolist()[: len(tokens)], "the oracle's output is not greedy's"
+                speedup = (len(tokens) / seconds) / (1 / decode)
+                record["oracle"][str(depth)] = {"tau": round(stats.mean_tau, 3), "speedup": round(speedup, 3),
+                                                "speedup_over_tau": round(speedup / stats.mean_tau, 3)}
+        records[name] = record
+        print(name, json.dumps({k: record[k] for k in ("decode_ms_per_token", "oracle")}), flush=True)
+        del model, heads
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = {"device": device_name(device), "dtype": args.dtype, "capture": args.capture, "tiny": args.tiny,
+           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "twins": records}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
@@ -109,11 +226,28 @@ def identity_lines(identity: dict | None) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def twin_lines(twin: dict | None) -> list[str]:
+    """The twin step's record as report lines: per twin, decode, the verify curve's ends, the oracle per depth."""
+    if twin is None:
+        return ["- no result (the step failed or ran out of time)"]
+    lines = [f"{twin['device']}, {twin['dtype']}, rounds {'captured' if twin['capture'] else 'eager'}"
+             f"{' (toy shapes: the dry run)' if twin['tiny'] else ''}; prompt {twin['prompt_len']} tokens, "
+             f"{twin['new_tokens']} new", "", "| twin | decode ms/token | verify ms (cache 256: n=1, largest; cache "
+             "1024: n=1, largest) | oracle depth: tau, speedup, speedup/tau |", "| --- | --- | --- | --- |"]
+    for name, rec in twin["twins"].items():
+        curve = "; ".join(f"{p}: {ms[next(iter(ms))]}, {ms[list(ms)[-1]]}" for p, ms in rec["verify_ms"].items())
+        oracle = "; ".join(f"{d}: {o['tau']}, {o['speedup']}x, {o['speedup_over_tau']}" for d, o in
+                           rec["oracle"].items())
+        lines.append(f"| {name} | {rec['decode_ms_per_token']} | {curve} | {oracle} |")
+    return lines
+
+
 def report_main(args: argparse.Namespace) -> int:
     work, out = Path(args.work), Path(args.out)
     steps = _steps(work)
     env = (work / "env.txt").read_text() if (work / "env.txt").is_file() else "(missing)\n"
-    identity, latency, bench = (_read_json(work / f) for f in ("identity_fp32.json", "latency.json", "bench.json"))
+    identity, latency, bench, twin = (_read_json(work / f) for f in ("identity_fp32.json", "latency.json",
+                                                                      "bench.json", "twin.json"))
     lines = ["# gpu_check report", "", "## Machine", "", "```", env.rstrip(), "```", "", "## Steps", "",
              "| step | exit | seconds | allowed | note |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {name} | {status} | {seconds:.0f} | {'' if limit is None else limit} | {_step_note(status, limit)} |"
@@ -150,6 +284,7 @@ def report_main(args: argparse.Namespace) -> int:
         lines += missing + ([""] if missing else []) + [markdown_table(bench).rstrip()]
     else:
         lines += ["- no result"]
+    lines += ["", "## The sizes users run (random-weight twins)", ""] + twin_lines(twin)
     failed = [name for name, status, *_ in steps if status != 0]
     verdict = "PASS" if identical and not failed and steps else "FAIL"
     why = ([f"steps failed: {', '.join(failed)}"] if failed else []) + ([] if identical else ["fp32 identity"])
@@ -172,11 +307,24 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--repeats", type=int, default=10)
     lat.add_argument("--threads", type=int, default=2)
     lat.add_argument("--out", required=True)
+    twin = sub.add_parser("twin", help="random-weight backbones of users' sizes: decode, verify curve, oracle rounds")
+    twin.add_argument("--twins", default=",".join(TWINS))
+    twin.add_argument("--device", default="auto")
+    twin.add_argument("--dtype", default="bfloat16")
+    twin.add_argument("--sizes", default=",".join(map(str, CURVE_SIZES)))
+    twin.add_argument("--depths", default="3,5,7", type=lambda s: [int(d) for d in s.split(",")])
+    twin.add_argument("--prompt_len", type=int, default=256)
+    twin.add_argument("--new_tokens", type=int, default=64)
+    twin.add_argument("--repeats", type=int, default=5)
+    twin.add_argument("--threads", type=int, default=2)
+    twin.add_argument("--capture", action="store_true", help="captured rounds (compiles: minutes at these sizes)")
+    twin.add_argument("--tiny", action="store_true", help="toy shapes (the dry run)")
+    twin.add_argument("--out", required=True)
     rep = sub.add_parser("report", help="WORK (the steps' outputs) -> OUT/report.md; exit 1 when a check failed")
     rep.add_argument("work")
     rep.add_argument("out")
     args = parser.parse_args(argv)
-    return latency_main(args) if args.command == "latency" else report_main(args)
+    return {"latency": latency_main, "twin": twin_main, "report": report_main}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@
 #                 says how many ran): eager `generate`, compiled static-cache `generate`, transformers' prompt
 #                 lookup, our lookup, the default (EAGLE-3) heads with their own tree and tree="auto" (calibrated
 #                 on 4 prompts of 64 tokens), the hybrid with its own tree and "auto", the Medusa hybrid; tokens/s,
-#                 speedup over both baselines, tau; the compiled baseline compiles in the warm-up (~1 min)         240 s
+#                 speedup over both baselines, tau; the compiled baseline compiles in the warm-up (~1 min)         200 s
 #   4. fast_tier  the quick tier of the decoding tests (tiny random models built from a config; 145 tests, 30 s on a
 #                 CPU) with every tensor on the device (TOKENMAXX_TEST_DEVICE): greedy identity, tree-verify logits
 #                 vs per-path forwards on the device's SDPA kernels, per-round sampling distributions, MTP, lookup;
@@ -24,10 +24,14 @@
 #   5. identity   greedy token identity vs plain `generate` on the real backbone in fp32, every drafting mode,
 #                 on up to 6 prompts (stopping in time by itself, said so)                                          70 s
 #   6. latency    the verify-latency curve: one forward of 1..128 tree tokens over a 256-token cache, bf16          20 s
-#   7. report     OUT/report.md; exit 1 if a step failed or fp32 identity broke
-# The budgets sum to 540 s; a step's budget is cut to what is left before GPU_CHECK_DEADLINE (550 s after the start),
-# and the call's timeout_s is 590. Device time: the start (1-3 min) + two receiving calls (seconds each) + this call
-# (at most ~9.5 min) + 30 s warm after it (or give_back at once): about 13.5 minutes at worst, of 15.
+#   7. twin       the sizes users run: random-weight Llama-3.1-8B and Qwen2.5-7B shapes made on the GPU in bf16
+#                 (nothing travels), random EAGLE-3 heads: decode ms per token, the verify curve at caches of 256
+#                 and 1,024, and an oracle drafter (the backbone's own continuation, every node accepted) at
+#                 depths 3, 5 and 7: speedup over eager decoding against tau                                        80 s
+#   8. report     OUT/report.md; exit 1 if a step failed or fp32 identity broke
+# The budgets sum to 580 s; a step's budget is cut to what is left before GPU_CHECK_DEADLINE (590 s after the start),
+# and the call's timeout_s is 600. Device time: the start (1-3 min) + two receiving calls (seconds each) + this call
+# (at most 10 min) + give_back at once: about 13.5 minutes at worst, of 15.
 #
 # What travels (measured at 595d216): every device call copies the checkout's tracked files and its untracked files
 # that git does not ignore, then what it carries, 64 MiB in all. That tree is 47.6 MiB: distilled/ 19.1 (training
@@ -48,7 +52,7 @@
 #   device, back to back (the machine keeps /tmp only while warm, 30 s after a call):
 #       run(carry=[".gpu/1"], command="bash scripts/gpu_check.sh --receive .gpu/1")
 #       run(carry=[".gpu/2"], command="bash scripts/gpu_check.sh --receive .gpu/2")
-#       run(carry=[".gpu/3"], timeout_s=590,
+#       run(carry=[".gpu/3"], timeout_s=600,
 #           command="bash scripts/gpu_check.sh --receive .gpu/3 && bash scripts/gpu_check.sh $OUT")
 #   here, after:    bash scripts/gpu_check.sh --unhide                      # distilled/ and docs/ tracked again
 #   A machine that went cold between calls has lost the earlier folders: the setup step names the missing pieces.
@@ -229,18 +233,21 @@ if [ $DRY = 1 ]; then
     FAST=(tests/test_decoding.py tests/test_loop.py -x)
     ID_ARGS=(--limit 1 --max_new_tokens 12 --warmup 1) SIZES=1,2,4,8 REPEATS=2
     BENCH_ARGS=(--limit 1 --max_new_tokens 16 --warmup 1)
-    declare -A BUDGET=([env]=60 [bench]=1500 [fast_tier]=600 [identity_fp32]=600 [latency]=600)  # s, a slow CPU
+    declare -A BUDGET=([env]=60 [bench]=1500 [fast_tier]=600 [identity_fp32]=600 [latency]=600 [twin]=600)  # a slow CPU
+    TWIN_ARGS=(--tiny --sizes 1,2,4,8 --depths 3,5 --prompt_len 32 --new_tokens 16 --repeats 2)
     # the compiled baseline traced without code generation (inductor would compile for minutes on a CPU); tree="auto"
     # calibrated on toy text: the same steps, minutes sooner
     COMPILED=compiled:eager AUTO=auto:prompts=2,tokens=16
 else
-    DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8 DTYPE=bfloat16 DEADLINE=${GPU_CHECK_DEADLINE:-550}
+    DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8 DTYPE=bfloat16 DEADLINE=${GPU_CHECK_DEADLINE:-590}
     PROMPTS=${GPU_CHECK_PROMPTS:-$STAGE/in/prompts.jsonl}
     FAST=(tests/test_loop.py tests/test_decoding.py tests/test_tree.py tests/test_mtp.py tests/test_lookup.py
-          tests/test_budget.py tests/test_sampling.py tests/test_generator.py)
+          tests/test_budget.py tests/test_sampling.py tests/test_generator.py tests/test_round.py tests/test_kv.py
+          tests/test_batch.py)
     ID_ARGS=(--limit 1 --max_new_tokens 64 --warmup 1) SIZES=1,2,4,8,16,32,64,96,128 REPEATS=10
     BENCH_ARGS=(--limit 4 --max_new_tokens 128 --warmup 1)  # 24 dev prompts where the budget allows
-    declare -A BUDGET=([setup]=80 [env]=20 [bench]=240 [fast_tier]=110 [identity_fp32]=70 [latency]=20)  # 540 s
+    declare -A BUDGET=([setup]=80 [env]=20 [bench]=200 [fast_tier]=110 [identity_fp32]=70 [latency]=20 [twin]=80)  # 580 s
+    TWIN_ARGS=()
     # tree="auto" calibrated on half its text (4 of 8 prompts, 64 tokens): ~4x sooner, more prompts timed in the budget
     COMPILED=compiled AUTO=auto:prompts=4,tokens=64
 fi
@@ -270,7 +277,7 @@ step() {
     printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - t0))" "$limit" >>"$WORK/steps.tsv"
     echo "==== $name: exit $status after $((SECONDS - t0)) s (budget $limit s)"
     # at most 8 files come back from a device call: these, the report and gpu_check.log
-    for f in steps.tsv fast_tier.log identity_fp32.json latency.json bench.json bench.png; do
+    for f in steps.tsv fast_tier.log identity_fp32.json latency.json bench.json twin.json; do
         [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
     done
 }
@@ -300,6 +307,8 @@ step identity_fp32 "${BENCH[@]}" --dtype float32 --out "$WORK/identity_fp32" --t
     "$(allowed identity_fp32 10)" --methods baseline,tokenmaxx,hybrid,medusa,medusa_hybrid,lookup "${ID_ARGS[@]}"
 step latency $PY scripts/device_check.py latency --device "$DEV" --dtype $DTYPE --sizes $SIZES \
     --repeats $REPEATS --threads $THREADS --out "$WORK/latency.json"
+step twin $PY scripts/device_check.py twin --device "$DEV" --dtype $DTYPE --threads $THREADS --out "$WORK/twin.json" \
+    "${TWIN_ARGS[@]}"
 $PY scripts/device_check.py report "$WORK" "$OUT"
 status=$?
 rm -rf "$WORK"
