@@ -188,6 +188,7 @@ class SequentialDrafter:
         self.next_position = 0  # position id of the next anchor
         self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
         self.root_token: torch.Tensor | None = None  # [1] long: the next root on the device (from ``observe``)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # observed (hidden [n, F], tokens [n]) not read yet
         # whether tree growth reads the frontier back to stop early (``grow_tree``); None: where reads cost nothing
         self.stop_early = reads_are_free(self.device) if stop_early is None else stop_early
 
@@ -258,12 +259,21 @@ class SequentialDrafter:
         self.length = 0
         self.next_position = first
         self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)
+        self._pending = []
         self.advance(hidden[first:], torch.cat([input_ids[first + 1:], self.root_token]))
 
     def observe(self, outcome: Outcome) -> None:
-        """The module cache learns the accepted positions; the round's last token is the next root."""
-        self.advance(outcome.hidden, outcome.token_ids)
+        """The round's last token is the next root; the module reads the accepted positions when it next proposes
+        (``_catch_up``), so rounds that propose nothing (a batch whose load switched drafting off) cost no pass."""
+        self._pending.append((outcome.hidden, outcome.token_ids))
         self.root_token = outcome.token_ids[-1:]
+
+    def _catch_up(self) -> None:
+        """The module cache learns the accepted positions observed since the last proposal (one pass)."""
+        if self._pending:
+            hidden, tokens = (torch.cat(parts) for parts in zip(*self._pending))
+            self._pending.clear()
+            self.advance(hidden, tokens)
 
     def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Add anchors: hidden [n, F] backbone features at the next n positions, next_tokens [n] the token after
@@ -292,6 +302,7 @@ class SequentialDrafter:
         depth = min(self.depth, room)
         if depth <= 0 or self.config.nodes <= 1:
             return Draft.root_only(root, self.device)
+        self._catch_up()
         cached = self.cached
         anchor = self.next_position - 1  # the newest anchor's position: a depth-d node's query sits at anchor + d
         outputs: list[torch.Tensor] = []  # per expanded level: its frontier's output states [F, H]

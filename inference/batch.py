@@ -30,11 +30,47 @@ from tokenmaxx.heads.drafting import Draft, Outcome, Prefill
 from tokenmaxx.heads.machine import clock
 from tokenmaxx.heads.modeling import backbone_features
 
+from .costs import Costs, VerifyLatency, interpolate
 from .decoding import Accepted
 from .forward import ForwardContext
 from .loop import GenerationStats, _emitted, _last_logits_only
 
 Accept = Callable[[torch.Tensor, torch.Tensor, object], Accepted]
+
+
+@dataclass
+class LoadGate:
+    """Whether a round of the batch drafts at all, on the measured costs.
+
+    A drafting round of B rows verifies about ``nodes`` nodes a row and runs each row's proposal in turn: it yields
+    B x tau tokens in verify(B x nodes) + B x propose seconds; a plain round yields B tokens in verify(B). Drafting
+    goes on while it is the faster of the two by these running means (decayed, from the batch's drafting rounds; an
+    optimistic start drafts the first rounds); otherwise the round is plain batched decoding, except every
+    ``explore_every``-th, which drafts to keep the means current. The time of a round comes from the latency table,
+    never a clock, so a seeded generation repeats itself."""
+
+    latency: VerifyLatency
+    propose_seconds: float = 0.0
+    decay: float = 0.8
+    explore_every: int = 8
+    tau: float = 2.0  # decayed mean tokens a row per drafting round
+    nodes: float = 4.0  # decayed mean nodes a row per drafting round
+    _plain: int = 0  # plain rounds since the last drafting one
+
+    def draft(self, rows: int, prefix_len: int) -> bool:
+        table = self.latency.at(prefix_len)
+        drafting = rows * self.tau / (interpolate(table, rows * self.nodes) + rows * self.propose_seconds)
+        plain = rows / interpolate(table, rows)
+        if drafting >= plain or self._plain + 1 >= self.explore_every:
+            self._plain = 0
+            return True
+        self._plain += 1
+        return False
+
+    def update(self, tau: float, nodes: float) -> None:
+        """After a drafting round: its tokens a row and nodes a row."""
+        self.tau = self.decay * self.tau + (1 - self.decay) * tau
+        self.nodes = self.decay * self.nodes + (1 - self.decay) * nodes
 
 
 @dataclass
@@ -44,6 +80,7 @@ class BatchStats:
 
     rows: list[GenerationStats]
     forwards: int = 0  # backbone forwards after the prefill (each verifies every active row's tree)
+    drafting_forwards: int = 0  # of those, the rounds whose rows drafted (the others: plain batched decoding)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     active_per_forward: list[int] = field(default_factory=list)  # rows still generating at each forward
@@ -62,7 +99,8 @@ class BatchStats:
         return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
     def to_dict(self) -> dict:
-        return {"rows": [r.to_dict() for r in self.rows], "forwards": self.forwards, "new_tokens": self.new_tokens,
+        return {"rows": [r.to_dict() for r in self.rows], "forwards": self.forwards,
+                "drafting_forwards": self.drafting_forwards, "new_tokens": self.new_tokens,
                 "mean_nodes": sum(self.nodes_per_forward) / max(self.forwards, 1),
                 "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
                 "wall_seconds": self.wall_seconds, "tokens_per_s": self.tokens_per_s}
@@ -71,11 +109,14 @@ class BatchStats:
 def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    max_new_tokens: Sequence[int], accept: Accept | Sequence[Accept],
                    choose_root: Callable[[torch.Tensor, int], int], eos: set[int],
-                   forward: ForwardContext | None = None) -> tuple[list[list[int]], BatchStats]:
+                   forward: ForwardContext | None = None,
+                   costs: Costs | None = None) -> tuple[list[list[int]], BatchStats]:
     """Generate for B left-padded prompts at once: input_ids [B, T], attention_mask [B, T] (1 for real tokens, 0 for
     the left padding); one drafter per row (``drafting.Drafter``), each row's ``max_new_tokens`` and acceptance rule
     (one for all, or one per row); ``choose_root(logits [V], row)`` picks a row's first token. Returns each row's
-    new tokens and the statistics. Each row's tokens are what ``speculative_decode`` would give it alone."""
+    new tokens and the statistics. Each row's tokens are what ``speculative_decode`` would give it alone.
+    ``costs``: this machine's measured costs; with a latency table the batch's load decides each round whether the
+    rows draft at all (``LoadGate``) and the budget drafters price their nodes at it; None: every round drafts."""
     batch = input_ids.shape[0]
     if len(drafters) != batch or len(max_new_tokens) != batch:
         raise ValueError(f"{batch} rows need {batch} drafters and max_new_tokens, got {len(drafters)} and "
@@ -107,6 +148,7 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
     live = attention_mask.clone()  # [B', C] each active row's live cache entries
     ends = [width] * batch  # per active row: cache index after its last live entry (L_b)
     next_pos = list(lengths)  # per active row: position id of its root
+    gate = LoadGate(costs.latency, costs.propose_seconds or 0.0) if costs is not None and costs.latency else None
     start = clock(device)
     while True:
         keep = [i for i, row in enumerate(rows) if not _done(new_tokens[row], max_new_tokens[row], eos)]
@@ -122,8 +164,9 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
         for row in rows:  # the load each row's trees are priced at (budget drafters; others draft as they do)
             if hasattr(drafters[row], "share_forward"):
                 drafters[row].share_forward(len(rows))
-        for row in rows:
-            room = max_new_tokens[row] - len(new_tokens[row]) - 1
+        drafting = gate is None or gate.draft(len(rows), max(ends))
+        for row in rows:  # a plain round proposes nothing (room 0: the root alone)
+            room = max_new_tokens[row] - len(new_tokens[row]) - 1 if drafting else 0
             drafts.append(drafters[row].propose(new_tokens[row][-1], room))
         verified_logits, verified_hidden = _verify(model, cache, live, ends, next_pos, drafts, forward,
                                                    feature_layers)
@@ -137,6 +180,10 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
             accepted = accepts[row](drafts[i].tokens, verified_logits[i, :n], drafts[i].buffers)
             results.append(accepted)
         live = _commit(cache, live, ends, common, results)
+        stats.drafting_forwards += drafting
+        if drafting and gate is not None:
+            gate.update(sum(len(a.path) for a in results) / len(results),
+                        sum(d.num_nodes for d in drafts) / len(drafts))
         for i, row in enumerate(rows):
             accepted, draft = results[i], drafts[i]
             emitted = _emitted(accepted.tokens, max_new_tokens[row] - len(new_tokens[row]), eos)

@@ -366,7 +366,7 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
         return out.new_tokens, clock(device) - start, out.stats
 
     sizes: dict[int, dict] = {b: {"hf_seconds": 0.0, "hf_tokens": 0, "seconds": 0.0, "tokens": 0, "forwards": 0,
-                                  "nodes": 0, "tau": [], "identical": [], "row_tokens": 0} for b in batch_sizes}
+                                  "nodes": 0, "tau": [], "identical": [], "row_tokens": 0, "drafting": 0} for b in batch_sizes}
     with torch.inference_mode():
         hf(rows_of(1)[:1])  # warm-up
         ours(rows_of(1)[:1])
@@ -385,6 +385,7 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                     entry["seconds"] += seconds
                     entry["tokens"] += sum(map(len, our_rows))
                     entry["forwards"] += stats.forwards
+                    entry["drafting"] += stats.drafting_forwards
                     entry["nodes"] += sum(stats.nodes_per_forward)
                     entry["tau"].extend(r.mean_tau for r in stats.rows)
             entry["identical"].extend(a == b for a, b in zip(our_rows, hf_rows))
@@ -404,6 +405,7 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                         "ms_per_token": round(1000 * e["seconds"] / e["row_tokens"], 2),
                         "hf_ms_per_token": round(1000 * e["hf_seconds"] / e["row_tokens"], 2),
                         "nodes_per_row": round(e["nodes"] / max(e["forwards"], 1), 2),
+                        "drafting_rounds": round(e["drafting"] / max(e["forwards"], 1), 3),
                         "tau": round(sum(e["tau"]) / len(e["tau"]), 3),
                         "identical": round(sum(e["identical"]) / len(e["identical"]), 3)}
         if size == 1 and lookup["seconds"]:
@@ -421,10 +423,11 @@ def _until_eos(tokens: list[int], generation_config) -> list[int]:
 
 def batch_table(report: dict) -> str:
     """Markdown table of ``run_batch_benchmark``'s report."""
-    lines = ["| batch | tokenmaxx tok/s | generate tok/s | speedup | ms/token (ours, generate) | nodes per row | tau "
-             "| identical |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | tokenmaxx tok/s | generate tok/s | speedup | ms/token (ours, generate) | nodes per row | "
+             "drafting rounds | tau | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for size, r in report.items():
         lines.append(f"| {size} | {r['tokens_per_s']} | {r['hf_tokens_per_s']} | {r['speedup']}x | "
-                     f"{r['ms_per_token']}, {r['hf_ms_per_token']} | {r['nodes_per_row']} | {r['tau']} | "
+                     f"{r['ms_per_token']}, {r['hf_ms_per_token']} | {r['nodes_per_row']} | "
+                     f"{100 * r['drafting_rounds']:.0f}% | {r['tau']} | "
                      f"{100 * r['identical']:.0f}% |")
     return "\n".join(lines)

@@ -314,6 +314,7 @@ class BudgetDrafter:
         self.calibration = HeadsCalibration()  # how the heads' values compare with what is accepted here
         self.gate = HeadsGate(self.gate_settings, cost=self.propose_cost if self.latency is not None else 0.0)
         self.prefix_len = 0  # tokens in the backbone's cache (all but the root)
+        self._drafting = True  # whether the last round had room to draft
         self._round: tuple[list, SharedTree, tuple[float, float]] | None = None  # branch estimates, shared tree,
         # and verify seconds without / with the heads-only nodes
 
@@ -335,7 +336,10 @@ class BudgetDrafter:
         self.heads.start(prefill)
 
     def propose(self, root: int, room: int) -> Draft:
-        heads_ran = self.gate.propose()
+        # no room: a round that drafts nothing (the generation's end, or a batch drafting nothing this round); the gate
+        # neither decides nor learns from it
+        self._drafting = room > 0
+        heads_ran = self.gate.propose() if self._drafting else True
         if heads_ran:  # the heads' tree, read to the host once (``share_budget``)
             own = self.heads.propose(root, room)
             tokens, parents, values = read_tree(own.tokens, own.buffers, own.values)
@@ -371,13 +375,13 @@ class BudgetDrafter:
             if nodes:
                 rel.update_branch(nodes, path)
         heads_only = sum(1 for src in path_sources if src == HEADS)
-        if outcome.draft.heads_ran:
+        if outcome.draft.heads_ran and self._drafting:
             self.calibration.update(shared.heads_total,
                                     sum(1 for src in path_sources if src & HEADS))
             # (never below 0: with a small-row plan a larger tree can verify faster than a smaller one, which is no
             # earning of the heads)
             self.gate.update(heads_only, max(0.0, seconds[1] - seconds[0]))
-        if self.latency is not None:
+        if self.latency is not None and self._drafting:
             self.gate.record_round(len(outcome.tokens) - heads_only, seconds[0])
         if self.lookup is not None:
             self.index.extend(outcome.emitted)
