@@ -16,7 +16,7 @@
 #                 says how many ran): eager `generate`, compiled static-cache `generate`, transformers' prompt
 #                 lookup, our lookup, the default (EAGLE-3) heads with their own tree and tree="auto" (calibrated
 #                 on 4 prompts of 64 tokens), the hybrid with its own tree and "auto", the Medusa hybrid; tokens/s,
-#                 speedup over both baselines, tau; the compiled baseline compiles in the warm-up (~1 min)         200 s
+#                 speedup over both baselines, tau; the compiled baseline compiles in the warm-up (~1 min)         190 s
 #   4. fast_tier  the quick tier of the decoding tests (tiny random models built from a config; 145 tests, 30 s on a
 #                 CPU) with every tensor on the device (TOKENMAXX_TEST_DEVICE): greedy identity, tree-verify logits
 #                 vs per-path forwards on the device's SDPA kernels, per-round sampling distributions, MTP, lookup;
@@ -27,10 +27,10 @@
 #   7. twin       the sizes users run: random-weight Llama-3.1-8B and Qwen2.5-7B shapes made on the GPU in bf16
 #                 (nothing travels), random EAGLE-3 heads: decode ms per token, the verify curve at caches of 256
 #                 and 1,024, and an oracle drafter (the backbone's own continuation, every node accepted) at
-#                 depths 3, 5 and 7: speedup over eager decoding against tau                                        80 s
+#                 depths 3, 5 and 7: speedup over eager decoding against tau                                        70 s
 #   8. report     OUT/report.md; exit 1 if a step failed or fp32 identity broke
-# The budgets sum to 580 s; a step's budget is cut to what is left before GPU_CHECK_DEADLINE (590 s after the start),
-# and the call's timeout_s is 600. Device time: the start (1-3 min) + two receiving calls (seconds each) + this call
+# The budgets sum to 560 s; a step's budget is cut to what is left before GPU_CHECK_DEADLINE (565 s after the start),
+# and the call's timeout_s is 600 (the most a call may run). Device time: the start (1-3 min) + two receiving calls (seconds each) + this call
 # (at most 10 min) + give_back at once: about 13.5 minutes at worst, of 15.
 #
 # What travels (measured at 595d216): every device call copies the checkout's tracked files and its untracked files
@@ -63,7 +63,7 @@
 #
 # Environment: GPU_CHECK_DEVICE (default cuda), GPU_CHECK_PYTHON (default: .venv/bin/python when there is one, else
 # python3), GPU_CHECK_PROMPTS (default: the packed prompts; dry run: ../shared/bench/spec_bench_dev.jsonl),
-# GPU_CHECK_DEADLINE (seconds after the start that the steps must end by; default 550 on a GPU, none in the dry run),
+# GPU_CHECK_DEADLINE (seconds after the start that the steps must end by; default 565 on a GPU, none in the dry run),
 # GPU_CHECK_WHEELS=0 (--pack without downloading the wheels; for tests), GPU_CHECK_TRAIN=1 (--pack: the training
 # wheels too), GPU_CHECK_HIDE=0 (--pack sized for the whole tree, without --hide: more calls),
 # GPU_CHECK_MAX_CALLS (default 3), GPU_CHECK_IMPORT=0 (--setup: the wheels alone, no GGUF import).
@@ -166,7 +166,7 @@ $((tree / MIB)) MiB; at most $MAX_CALLS fit the device time (GPU_CHECK_MAX_CALLS
     for i in $(seq 1 $((n - 1))); do
         echo "  run(carry=[\"$DIR/$i\"], command=\"bash scripts/gpu_check.sh --receive $DIR/$i\")"
     done
-    echo "  run(carry=[\"$DIR/$n\"], timeout_s=590, command=\"bash scripts/gpu_check.sh --receive $DIR/$n && bash \
+    echo "  run(carry=[\"$DIR/$n\"], timeout_s=600, command=\"bash scripts/gpu_check.sh --receive $DIR/$n && bash \
 scripts/gpu_check.sh \$OUT\")"
     [ "${GPU_CHECK_HIDE:-1}" = 1 ] && echo "here, after the calls: bash scripts/gpu_check.sh --unhide"
     git check-ignore -q "$DIR" 2>/dev/null \
@@ -239,14 +239,14 @@ if [ $DRY = 1 ]; then
     # calibrated on toy text: the same steps, minutes sooner
     COMPILED=compiled:eager AUTO=auto:prompts=2,tokens=16
 else
-    DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8 DTYPE=bfloat16 DEADLINE=${GPU_CHECK_DEADLINE:-590}
+    DEV=${GPU_CHECK_DEVICE:-cuda} THREADS=8 DTYPE=bfloat16 DEADLINE=${GPU_CHECK_DEADLINE:-565}
     PROMPTS=${GPU_CHECK_PROMPTS:-$STAGE/in/prompts.jsonl}
     FAST=(tests/test_loop.py tests/test_decoding.py tests/test_tree.py tests/test_mtp.py tests/test_lookup.py
           tests/test_budget.py tests/test_sampling.py tests/test_generator.py tests/test_round.py tests/test_kv.py
           tests/test_batch.py)
     ID_ARGS=(--limit 1 --max_new_tokens 64 --warmup 1) SIZES=1,2,4,8,16,32,64,96,128 REPEATS=10
     BENCH_ARGS=(--limit 4 --max_new_tokens 128 --warmup 1)  # 24 dev prompts where the budget allows
-    declare -A BUDGET=([setup]=80 [env]=20 [bench]=200 [fast_tier]=110 [identity_fp32]=70 [latency]=20 [twin]=80)  # 580 s
+    declare -A BUDGET=([setup]=80 [env]=20 [bench]=190 [fast_tier]=110 [identity_fp32]=70 [latency]=20 [twin]=70)  # 560 s
     TWIN_ARGS=()
     # tree="auto" calibrated on half its text (4 of 8 prompts, 64 tokens): ~4x sooner, more prompts timed in the budget
     COMPILED=compiled AUTO=auto:prompts=4,tokens=64
