@@ -337,7 +337,7 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
     and at B = 1 transformers' prompt lookup too (it takes one row). After one warm-up of each at B = 1.
 
     Per size: total new tokens / s of each, the speedup, per-token latency (seconds per new token of a row: wall time
-    over the mean row length), the tree size per row our forwards verified (1: speculation off), the mean tau, and
+    over the mean row length), the mean tree a row verified per round (1: speculation off), the mean tau, and
     the share of rows whose tokens equal transformers' batched rows."""
     from tqdm.auto import tqdm
 
@@ -366,7 +366,8 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
         return out.new_tokens, clock(device) - start, out.stats
 
     sizes: dict[int, dict] = {b: {"hf_seconds": 0.0, "hf_tokens": 0, "seconds": 0.0, "tokens": 0, "forwards": 0,
-                                  "nodes": 0, "tau": [], "identical": [], "row_tokens": 0, "drafting": 0} for b in batch_sizes}
+                                  "nodes": 0, "tau": [], "identical": [], "row_tokens": 0, "drafting": 0,
+                                  "row_rounds": 0} for b in batch_sizes}
     with torch.inference_mode():
         hf(rows_of(1)[:1])  # warm-up
         ours(rows_of(1)[:1])
@@ -386,7 +387,8 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                     entry["tokens"] += sum(map(len, our_rows))
                     entry["forwards"] += stats.forwards
                     entry["drafting"] += stats.drafting_forwards
-                    entry["nodes"] += sum(stats.nodes_per_forward)
+                    entry["nodes"] += sum(r.verified_nodes for r in stats.rows)
+                    entry["row_rounds"] += sum(r.steps for r in stats.rows)
                     entry["tau"].extend(r.mean_tau for r in stats.rows)
             entry["identical"].extend(a == b for a, b in zip(our_rows, hf_rows))
             entry["row_tokens"] += sum(map(len, our_rows)) / size
@@ -404,7 +406,7 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                         "speedup": round(tps / hf_tps, 3),
                         "ms_per_token": round(1000 * e["seconds"] / e["row_tokens"], 2),
                         "hf_ms_per_token": round(1000 * e["hf_seconds"] / e["row_tokens"], 2),
-                        "nodes_per_row": round(e["nodes"] / max(e["forwards"], 1), 2),
+                        "nodes_per_row": round(e["nodes"] / max(e["row_rounds"], 1), 2),
                         "drafting_rounds": round(e["drafting"] / max(e["forwards"], 1), 3),
                         "tau": round(sum(e["tau"]) / len(e["tau"]), 3),
                         "identical": round(sum(e["identical"]) / len(e["identical"]), 3)}

@@ -298,13 +298,13 @@ class SpeculativeGenerator:
             input_ids[i, width - ids.shape[1]:] = ids[0]
             mask[i, width - ids.shape[1]:] = 1
         choose_root = sample_root or (lambda logits, row: greedy_root(logits))
-        drafters = [self.make_drafter() for _ in rows]
-        # the batch's verifies: on the growing cache, uncompiled, and without the shared key/value heads (per-row
-        # masks of several rows took SDPA's slow path there: 9.0 s against 7.0 s for four rows, docs/benchmarks.md)
+        # the batch's verifies: on the growing cache, uncompiled, and (several rows) without the shared key/value
+        # heads (per-row masks of several rows took SDPA's slow path there: 9.0 s against 7.0 s for four rows,
+        # docs/benchmarks.md)
         forward = dataclasses.replace(self.forward, cache="dynamic", capture=False,
                                       attention={} if len(rows) > 1 else self.forward.attention)
-        tokens, stats = batched_decode(self.model, drafters, input_ids, mask, max_new, accept, choose_root,
-                                       eos_ids(config), forward=forward, costs=self.costs)
+        tokens, stats = batched_decode(self.model, [self.make_drafter() for _ in rows], input_ids, mask, max_new,
+                                       accept, choose_root, eos_ids(config), forward=forward, costs=self.costs)
         outputs = []
         for ids, new, row_stats in zip(rows, tokens, stats.rows):
             text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None

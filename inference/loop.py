@@ -42,6 +42,7 @@ class GenerationStats:
         default_factory=lambda: dict.fromkeys(("heads", "lookup", "both"), 0))
     heads_skipped: int = 0  # rounds the heads sat out because they were not paying (budget.HeadsGate): lookup alone
     # drafted them (hybrid), or the root alone was verified (heads on measured costs)
+    verified_nodes: int = 0  # tree nodes verified over the rounds (a round that drafted nothing: 1, the root)
     timed: bool = True  # whether ``phase_seconds`` were measured (``speculative_decode``'s ``timed``)
     _by_source: torch.Tensor | None = field(default=None, repr=False)  # accepted candidates per source bits, counted
     # on the device until ``finish``
@@ -64,6 +65,7 @@ class GenerationStats:
         """One round: its accepted length, who drafted the accepted candidates (counted on the device), and the time
         of each phase (``times``: the phases' boundaries; empty when untimed)."""
         self.steps += 1
+        self.verified_nodes += outcome.draft.num_nodes
         tau = len(outcome.tokens)
         self.accepted_hist[tau] = self.accepted_hist.get(tau, 0) + 1
         sources = outcome.draft.sources[outcome.nodes[1:]]
@@ -87,7 +89,8 @@ class GenerationStats:
                 "accepted_hist": dict(sorted(self.accepted_hist.items())), "prefill_seconds": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds, "wall_seconds": self.wall_seconds,
                 "tokens_per_s": self.tokens_per_s, "phase_seconds": self.phase_seconds,
-                "accepted_by_source": self.accepted_by_source, "heads_skipped": self.heads_skipped}
+                "accepted_by_source": self.accepted_by_source, "heads_skipped": self.heads_skipped,
+                "verified_nodes": self.verified_nodes}
 
 
 Accept = Callable[[torch.Tensor, torch.Tensor, object], Accepted]  # (tokens [N], logits [N, V], buffers)

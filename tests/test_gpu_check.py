@@ -64,10 +64,13 @@ def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = (out / "report.md").read_text()
     assert "## Verdict: PASS" in report
-    for name in ("env", "fast_tier", "identity_fp32", "latency", "bench"):
+    for name in ("env", "fast_tier", "identity_fp32", "latency", "bench", "twin"):
         assert f"| {name} | 0 |" in report
     steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
-    assert steps == ["env", "bench", "fast_tier", "identity_fp32", "latency"]  # the bench first
+    assert steps == ["env", "bench", "fast_tier", "identity_fp32", "latency", "twin"]  # the bench first
+    twin = json.loads((out / "twin.json").read_text())["twins"]
+    assert set(twin) == {"llama-3.1-8b", "qwen2.5-7b"} and all(
+        t["oracle"]["5"]["tau"] > 4.0 for t in twin.values())  # the oracle's chains were accepted
     identity = json.loads((out / "identity_fp32.json").read_text())["methods"]
     assert {"tokenmaxx", "hybrid", "medusa", "medusa_hybrid", "lookup"} <= set(identity)
     assert all(m["overall"]["identical_rate"] == 1.0 for m in identity.values())
