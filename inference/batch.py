@@ -6,7 +6,7 @@ left-padded, so after the prefill every row's entries end at the same index; fro
 length L_b. A round appends every row's tree at the common end W = max L_b (trees padded to a common node count with
 nodes that see only themselves), then each row gathers its accepted path to L_b..L_b+m_b, and the cache is cropped
 to the new max L_b. A row that accepted less than the longest holds stale entries between its L_b and W ("holes"):
-``keys`` [B, C] marks each row's live entries, and the verify mask lets a node see exactly its row's live prefix and
+``live`` [B, C] marks each row's live entries, and the verify mask lets a node see exactly its row's live prefix and
 its own ancestors. Position ids are per row (its real tokens so far, plus the node's depth), so a row computes what it
 would alone. Holes were chosen over compacting every row to a common length each round (a copy of the whole cache
 per round, or per-row shifts of it) because they cost nothing but mask columns: at most the spread of the rows'
