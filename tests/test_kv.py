@@ -78,6 +78,7 @@ def test_a_tree_past_the_static_cache_is_refused():
         verify(model, kv, torch.arange(3, 8), Tree([(0,), (1,), (2,), (3,)]).buffers, 3)
 
 
+@pytest.mark.usefixtures("on_cpu")  # (the defaults asserted are a CPU's)
 def test_forward_context_settings_are_checked():
     with pytest.raises(ValueError, match="cache must be one of"):
         ForwardContext(cache="paged")
@@ -97,7 +98,7 @@ def test_generation_on_the_static_cache_matches_greedy(draft, kind):
     heads = {"eagle3": lambda: random_eagle3(model, scale=0.05), "medusa": lambda: random_heads(model),
              None: lambda: None}[kind]()
     gen = SpeculativeGenerator(model, heads, draft=draft, cache="static")
-    assert gen.forward.cache == "static" and not gen.forward.capture
+    assert gen.forward.cache == "static"  # (captured on an accelerator; the fast tier runs it uncompiled there)
     assert_matches_greedy(gen, model, 6, seed=4)
     for prompt, new in repeating_prompts(model.config.vocab_size, seed=5, n=3):  # lookup branches accepted
         out = gen.generate(prompt, max_new_tokens=new)
