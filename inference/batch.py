@@ -31,7 +31,7 @@ from tokenmaxx.heads.machine import clock
 from tokenmaxx.heads.modeling import backbone_features
 
 from .costs import Costs, VerifyLatency, interpolate
-from .decoding import Accepted
+from .decoding import Accepted, accept_greedy
 from .forward import ForwardContext
 from .loop import GenerationStats, _emitted, _last_logits_only
 
@@ -174,11 +174,11 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
         stats.active_per_forward.append(len(rows))
         stats.nodes_per_forward.append(verified_logits.shape[1])
         common = cache.get_seq_length() - verified_logits.shape[1]  # W: where every row's tree was appended
-        results = []
-        for i, row in enumerate(rows):
-            n = drafts[i].num_nodes
-            accepted = accepts[row](drafts[i].tokens, verified_logits[i, :n], drafts[i].buffers)
-            results.append(accepted)
+        if all(accepts[row] is accept_greedy for row in rows):  # every row greedy: one read for the batch
+            results = accept_rows_greedy(drafts, verified_logits)
+        else:
+            results = [accepts[row](draft.tokens, verified_logits[i, :draft.num_nodes], draft.buffers)
+                       for i, (row, draft) in enumerate(zip(rows, drafts))]
         live = _commit(cache, live, ends, common, results)
         stats.drafting_forwards += drafting
         if drafting and gate is not None:
@@ -199,6 +199,42 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
         stats.rows[row].new_tokens = len(tokens)
         stats.rows[row].finish()
     return new_tokens, stats
+
+
+def accept_rows_greedy(drafts: list[Draft], logits: torch.Tensor) -> list[Accepted]:
+    """``decoding.accept_greedy`` for every row of a batch at once, read back in one read: drafts' trees of up to N
+    nodes (their paths padded to a common count and depth with -1) and the forward's logits [B', N, V]."""
+    device = logits.device
+    rows, n = len(drafts), logits.shape[1]
+    depth = max(d.buffers.depth for d in drafts)
+    paths = max(d.buffers.retrieve.shape[0] for d in drafts)
+    retrieve = torch.full((rows, paths, depth + 1), -1, dtype=torch.long, device=device)  # [B', P, D+1]
+    tokens = torch.zeros(rows, n, dtype=torch.long, device=device)  # [B', N]
+    for i, draft in enumerate(drafts):
+        own = draft.buffers.to(device).retrieve
+        retrieve[i, : own.shape[0], : own.shape[1]] = own
+        tokens[i, : draft.num_nodes] = draft.tokens
+    predicted = logits.max(dim=-1).indices  # [B', N] (max: argmax's first-index ties, as accept_greedy)
+    safe = retrieve.clamp(min=0)
+    flat = safe.flatten(1)  # [B', P*(D+1)]
+    nodes_tok = tokens.gather(1, flat).view_as(safe)  # [B', P, D+1]
+    nodes_pred = predicted.gather(1, flat).view_as(safe)
+    correct = (nodes_tok[..., 1:] == nodes_pred[..., :-1]) & (retrieve[..., 1:] >= 0)  # [B', P, D]
+    accepted_len = correct.long().cumprod(dim=-1).sum(dim=-1)  # [B', P]
+    best = accepted_len.argmax(dim=1)  # [B']
+    index = torch.arange(rows, device=device)
+    row, m = safe[index, best], accepted_len[index, best]  # [B', D+1], [B']
+    bonus = predicted.gather(1, row.gather(1, m[:, None]))  # [B', 1]
+    candidates = tokens.gather(1, row[:, 1:])  # [B', D]
+    read = torch.cat([m[:, None], row, candidates, bonus], dim=1).tolist()  # one read: [B', 1 + D+1 + D + 1]
+    width = depth + 1
+    out = []
+    for i, values in enumerate(read):
+        length = values[0]
+        out.append(Accepted(nodes=row[i, : length + 1], tokens=values[1 + width: 1 + width + length] + values[-1:],
+                            path=values[1: 2 + length],
+                            token_ids=torch.cat([candidates[i, :length], bonus[i]])))
+    return out
 
 
 def _done(tokens: list[int], max_new_tokens: int, eos: set[int]) -> bool:

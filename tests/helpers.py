@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._device import _device_constructors
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -283,3 +284,44 @@ class OracleMTP(MTPHeads):
                     out[i, int(torch.randint(vocab, (), generator=gen))] = 12.0
                     out[i, target] = 11.0
         return out[0] if states.dim() == 1 else out
+
+
+class HostTraffic(TorchDispatchMode):
+    """Counts, while active: ``reads`` (a value brought back to Python: ``item``/``int``/``bool``/``float`` of a
+    tensor, ``tolist``, ``numpy``) and ``copies`` (a tensor of one or more dimensions made from Python data: a copy
+    to the device on an accelerator; a Python number becomes a 0-d wrapped scalar, passed to kernels by value, and is
+    not counted). ``marks`` snapshots both at each ``mark``."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = self.copies = 0
+        self.marks: list[tuple[int, int]] = []
+        self._patched: dict[str, object] = {}
+
+    def mark(self) -> None:
+        self.marks.append((self.reads, self.copies))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        elif func is torch.ops.aten.lift_fresh.default and out.dim() > 0:
+            self.copies += 1
+        return out
+
+    def __enter__(self):
+        for name in ("tolist", "numpy"):  # read straight from CPU memory, past the dispatcher
+            original = getattr(torch.Tensor, name)
+            self._patched[name] = original
+
+            def counted(tensor, *a, _original=original, **kw):
+                self.reads += 1
+                return _original(tensor, *a, **kw)
+
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._patched.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)

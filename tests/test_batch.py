@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (OracleMTP, broken_accept, chi2_pvalue, exact_pair, greedy_reference, random_eagle3, random_heads,
+from helpers import (HostTraffic, OracleMTP, broken_accept, chi2_pvalue, exact_pair, greedy_reference, random_eagle3, random_heads,
                      random_prompts, repeating_prompts, tiny_model)
 from transformers import GenerationConfig
 
@@ -167,3 +167,24 @@ def test_each_row_samples_from_its_own_distribution(monkeypatch):
 @pytest.mark.slow
 def test_the_batch_distribution_test_has_teeth(monkeypatch):
     assert _batch_pvalue(monkeypatch, broken=True) < 1e-3
+
+
+def test_a_greedy_batch_round_reads_once():
+    """Every row greedy: the batch's acceptance is one read for all rows (static-tree drafters, which read nothing
+    themselves; the rows' trees still reach the device as each drafter built them)."""
+    model = tiny_model("llama", seed=2)
+    model.generation_config.eos_token_id = None
+    heads = random_heads(model)
+    prompts = [p[0] for p, _ in random_prompts(4, model.config.vocab_size, seed=3)]
+    drafters = [heads.drafter(model) for _ in prompts]
+    traffic = HostTraffic()
+    for drafter in drafters[:1]:  # one row marks the start of each round
+        propose = drafter.propose
+        drafter.propose = lambda root, room, _p=propose: (traffic.mark(), _p(root, room))[1]
+    with traffic, torch.no_grad():
+        tokens, stats = batched_decode(model, drafters, *_left_padded(prompts), [24] * 4, accept_greedy,
+                                       _greedy_root, set())
+    rounds = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(traffic.marks, traffic.marks[1:])][1:-4]
+    assert len(rounds) >= 5 and max(r for r, _ in rounds) == 1, rounds
+    for i, p in enumerate(prompts):
+        assert tokens[i] == greedy_reference(model, p[None], 24)[0, len(p):].tolist()

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (OracleMTP, greedy_reference, random_eagle3, random_heads, random_prompts, repeating_prompts,
-                     tiny_model)
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import (HostTraffic, OracleMTP, greedy_reference, random_eagle3, random_heads, random_prompts,
+                     repeating_prompts, tiny_model)
 
 from tokenmaxx.heads import Tree
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig, Frontier, grow_tree
@@ -21,50 +20,6 @@ from tokenmaxx.inference.decoding import accept_greedy
 from tokenmaxx.inference.drafting import DraftSettings, make_drafter
 from tokenmaxx.inference.forward import ForwardContext
 from tokenmaxx.inference.loop import eos_ids, greedy_root, speculative_decode
-
-aten = torch.ops.aten
-
-
-class HostTraffic(TorchDispatchMode):
-    """Counts, while active: ``reads`` (a value brought back to Python: ``item``/``int``/``bool``/``float`` of a
-    tensor, ``tolist``, ``numpy``) and ``copies`` (a tensor of one or more dimensions made from Python data: a copy
-    to the device on an accelerator; a Python number becomes a 0-d wrapped scalar, passed to kernels by value, and is
-    not counted). ``marks`` snapshots both at each ``mark``."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = self.copies = 0
-        self.marks: list[tuple[int, int]] = []
-        self._patched: dict[str, object] = {}
-
-    def mark(self) -> None:
-        self.marks.append((self.reads, self.copies))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is aten._local_scalar_dense.default:
-            self.reads += 1
-        elif func is aten.lift_fresh.default and out.dim() > 0:
-            self.copies += 1
-        return out
-
-    def __enter__(self):
-        for name in ("tolist", "numpy"):  # read straight from CPU memory, past the dispatcher
-            original = getattr(torch.Tensor, name)
-            self._patched[name] = original
-
-            def counted(tensor, *a, _original=original, **kw):
-                self.reads += 1
-                return _original(tensor, *a, **kw)
-
-            setattr(torch.Tensor, name, counted)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, original in self._patched.items():
-            setattr(torch.Tensor, name, original)
-        return super().__exit__(*exc)
-
 
 class Marking:
     """A drafter that marks the traffic counter at the start of each round (its ``propose``)."""
