@@ -276,16 +276,17 @@ def _commit(cache, live: torch.Tensor, ends: list[int], common: int, results: li
     the longest row; ``ends`` follows in place. Returns the new live-entry mask [B', max L_b]."""
     new_ends = [end + len(acc.path) for end, acc in zip(ends, results)]
     longest = max(new_ends)
+    # every row's moves as (row, to, from) triples, in one copy: two indexing ops a layer for the whole batch
+    moves = [(i, end + j, common + node) for i, (end, acc) in enumerate(zip(ends, results))
+             for j, node in enumerate(acc.path)]
+    rows, dst, src = torch.tensor(moves, device=live.device).T  # [M] each
     for layer in cache.layers:
-        for i, acc in enumerate(results):
-            src = common + acc.nodes
-            layer.keys[i, :, ends[i]: new_ends[i]] = layer.keys[i, :, src]
-            layer.values[i, :, ends[i]: new_ends[i]] = layer.values[i, :, src]
+        layer.keys[rows, :, dst] = layer.keys[rows, :, src]  # (the right side is gathered before it is written)
+        layer.values[rows, :, dst] = layer.values[rows, :, src]
     cache.crop(longest - cache.get_seq_length())
     grown = torch.zeros(live.shape[0], longest, dtype=torch.bool, device=live.device)
     width = min(live.shape[1], longest)
     grown[:, :width] = live[:, :width]
-    for i in range(len(results)):
-        grown[i, ends[i]: new_ends[i]] = True
+    grown[rows, dst] = True
     ends[:] = new_ends
     return grown

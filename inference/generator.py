@@ -299,8 +299,7 @@ class SpeculativeGenerator:
             mask[i, width - ids.shape[1]:] = 1
         choose_root = sample_root or (lambda logits, row: greedy_root(logits))
         # the batch's verifies: on the growing cache, uncompiled, and (several rows) without the shared key/value
-        # heads (per-row masks of several rows took SDPA's slow path there: 9.0 s against 7.0 s for four rows,
-        # docs/benchmarks.md)
+        # heads, whose per-row masks of several rows took SDPA's slow path on a CPU (docs/benchmarks.md, "Batches")
         forward = dataclasses.replace(self.forward, cache="dynamic", capture=False,
                                       attention={} if len(rows) > 1 else self.forward.attention)
         tokens, stats = batched_decode(self.model, [self.make_drafter() for _ in rows], input_ids, mask, max_new,

@@ -25,8 +25,8 @@ import torch
 from transformers import StaticCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tree sizes a verify is padded to (a multiple of the last past it)
-# ... when the verify is captured: each size is one more compile (tens of seconds for a real backbone), while on a GPU
-# a forward of 16 or 64 tokens costs about what one of 2 costs (launch-bound), so padding is nearly free
+# ... when the verify is captured: each size is one more compile, while a GPU forward of a few dozen tokens is bound by
+# its launches rather than its arithmetic, so coarse padding costs little (the device check measures the curve)
 CAPTURE_BUCKETS = (16, 64, 256)
 
 
@@ -51,15 +51,16 @@ class StaticKV:
         self.max_len, self.buckets = max_len, tuple(buckets)
         self.model_ref = weakref.ref(model)  # which backbone's cache this is
 
-    def _write_at(self, position: int) -> None:
-        """Where the next forward writes its keys and values (every layer)."""
+    def write_at(self, position: int) -> None:
+        """Where the next forward writes its keys and values (every layer); after the prefill, the prompt's
+        length."""
         for layer in self.cache.layers:
             if layer.is_initialized:
                 layer.cumulative_length.fill_(position)
 
     def prefill_inputs(self) -> dict:
         """Keywords of the prompt's forward (the model builds its causal mask over the whole cache)."""
-        self._write_at(0)
+        self.write_at(0)
         return {"past_key_values": self.cache}
 
     def tree_inputs(self, tokens: torch.Tensor, depths: torch.Tensor, attn_mask: torch.Tensor, prefix_len: int,
@@ -82,7 +83,7 @@ class StaticKV:
             tree[n:, n:].masked_fill_(torch.eye(pad, dtype=torch.bool, device=device), 0.0)
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
             depths = torch.cat([depths, depths.new_zeros(pad)])
-        self._write_at(prefix_len)
+        self.write_at(prefix_len)
         return {"input_ids": tokens[None], "attention_mask": mask, "position_ids": (prefix_len + depths)[None],
                 "past_key_values": self.cache}
 
@@ -95,5 +96,5 @@ class StaticKV:
             for layer in self.cache.layers:
                 layer.keys[:, :, prefix_len:keep] = layer.keys.index_select(2, src)
                 layer.values[:, :, prefix_len:keep] = layer.values.index_select(2, src)
-        self._write_at(keep)
+        self.write_at(keep)
         return keep

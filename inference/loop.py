@@ -179,7 +179,7 @@ def _prefill(model, input_ids: torch.Tensor, choose_root, feature_layers: tuple[
     out = model(input_ids=input_ids, use_cache=True, output_hidden_states=True, **inputs,
                 **_last_logits_only(model, input_ids.shape[1]))
     if kv is not None:
-        kv.commit(0, None, list(range(input_ids.shape[1])))  # the prompt is in place: write after it
+        kv.write_at(input_ids.shape[1])  # the prompt is in place: write after it
     root = choose_root(out.logits[0, -1])  # from logits [V]
     hidden = backbone_features(out.hidden_states, feature_layers)[0]  # [P, F]
     return cache, Prefill(input_ids=input_ids[0], hidden=hidden, root=root)

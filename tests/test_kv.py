@@ -34,7 +34,7 @@ def _prefilled(model, prefix, kv=None):
     inputs = kv.prefill_inputs() if kv is not None else {"past_key_values": cache}
     model(input_ids=prefix, use_cache=True, **inputs)
     if kv is not None:
-        kv.commit(0, None, list(range(prefix.shape[1])))
+        kv.write_at(prefix.shape[1])
     return cache
 
 
