@@ -333,12 +333,14 @@ def plot(report: dict, path: str | Path) -> None:
 def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: list[int], max_new_tokens: int,
                         repeats: int = 1, progress: bool = True, lookup_tokens: int = 10) -> dict:
     """Batched generation against transformers' batched greedy ``generate`` on the same left-padded rows, one
-    interleaved run: for each repeat and batch size B (the first B prompts, cycled), both in turn (order alternating),
-    and at B = 1 transformers' prompt lookup too (it takes one row). After one warm-up of each at B = 1.
+    interleaved run: for each repeat and batch size B, every prompt in batches of B (the prompts in order, cycled to
+    fill the last batch), both methods on each batch in turn (order alternating), and at B = 1 transformers' prompt
+    lookup too (it takes one row). Every size sees every prompt, so sizes differ by their load only. After one
+    warm-up of each at B = 1.
 
     Per size: total new tokens / s of each, the speedup, per-token latency (seconds per new token of a row: wall time
-    over the mean row length), the mean tree a row verified per round (1: speculation off), the mean tau, and
-    the share of rows whose tokens equal transformers' batched rows."""
+    over the mean row length), our prefill's share of our time, the mean tree a row verified per round (1:
+    speculation off), the mean tau, and the share of rows whose tokens equal transformers' batched rows."""
     from tqdm.auto import tqdm
 
     device = model.get_output_embeddings().weight.device
@@ -347,8 +349,10 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
         eos = model.generation_config.eos_token_id
         pad = eos if isinstance(eos, int) else (eos or [0])[0]
 
-    def rows_of(size: int) -> list[list[int]]:
-        return [prompts[i % len(prompts)].input_ids[0].tolist() for i in range(size)]
+    def batches_of(size: int) -> list[list[list[int]]]:
+        count = -(-len(prompts) // size)
+        return [[prompts[(b * size + i) % len(prompts)].input_ids[0].tolist() for i in range(size)]
+                for b in range(count)]
 
     def hf(rows: list[list[int]], **kwargs) -> tuple[list[list[int]], float]:
         width = max(map(len, rows))
@@ -367,14 +371,14 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
 
     sizes: dict[int, dict] = {b: {"hf_seconds": 0.0, "hf_tokens": 0, "seconds": 0.0, "tokens": 0, "forwards": 0,
                                   "nodes": 0, "tau": [], "identical": [], "row_tokens": 0, "drafting": 0,
-                                  "row_rounds": 0} for b in batch_sizes}
+                                  "row_rounds": 0, "prefill": 0.0} for b in batch_sizes}
     with torch.inference_mode():
-        hf(rows_of(1)[:1])  # warm-up
-        ours(rows_of(1)[:1])
+        hf(batches_of(1)[0])  # warm-up
+        ours(batches_of(1)[0])
         lookup = {"seconds": 0.0, "tokens": 0}
-        steps = [(r, b) for r in range(repeats) for b in batch_sizes]
-        for i, (repeat, size) in enumerate(tqdm(steps, desc="batch bench", disable=not progress)):
-            rows, entry = rows_of(size), sizes[size]
+        steps = [(r, b, rows) for r in range(repeats) for b in batch_sizes for rows in batches_of(b)]
+        for i, (repeat, size, rows) in enumerate(tqdm(steps, desc="batch bench", disable=not progress)):
+            entry = sizes[size]
             first, second = ("hf", "ours") if i % 2 == 0 else ("ours", "hf")
             for which in (first, second):
                 if which == "hf":
@@ -384,6 +388,7 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                 else:
                     our_rows, seconds, stats = ours(rows)
                     entry["seconds"] += seconds
+                    entry["prefill"] += stats.prefill_seconds
                     entry["tokens"] += sum(map(len, our_rows))
                     entry["forwards"] += stats.forwards
                     entry["drafting"] += stats.drafting_forwards
@@ -406,6 +411,7 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                         "speedup": round(tps / hf_tps, 3),
                         "ms_per_token": round(1000 * e["seconds"] / e["row_tokens"], 2),
                         "hf_ms_per_token": round(1000 * e["hf_seconds"] / e["row_tokens"], 2),
+                        "prefill_share": round(e["prefill"] / e["seconds"], 3),
                         "nodes_per_row": round(e["nodes"] / max(e["row_rounds"], 1), 2),
                         "drafting_rounds": round(e["drafting"] / max(e["forwards"], 1), 3),
                         "tau": round(sum(e["tau"]) / len(e["tau"]), 3),
@@ -425,11 +431,12 @@ def _until_eos(tokens: list[int], generation_config) -> list[int]:
 
 def batch_table(report: dict) -> str:
     """Markdown table of ``run_batch_benchmark``'s report."""
-    lines = ["| batch | tokenmaxx tok/s | generate tok/s | speedup | ms/token (ours, generate) | nodes per row | "
-             "drafting rounds | tau | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | tokenmaxx tok/s | generate tok/s | speedup | ms/token (ours, generate) | our prefill | "
+             "nodes per row | drafting rounds | tau | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
     for size, r in report.items():
         lines.append(f"| {size} | {r['tokens_per_s']} | {r['hf_tokens_per_s']} | {r['speedup']}x | "
-                     f"{r['ms_per_token']}, {r['hf_ms_per_token']} | {r['nodes_per_row']} | "
+                     f"{r['ms_per_token']}, {r['hf_ms_per_token']} | {100 * r.get('prefill_share', 0):.0f}% | "
+                     f"{r['nodes_per_row']} | "
                      f"{100 * r['drafting_rounds']:.0f}% | {r['tau']} | "
                      f"{100 * r['identical']:.0f}% |")
     return "\n".join(lines)

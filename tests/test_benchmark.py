@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import random_eagle3, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
 from tokenmaxx.inference.benchmark import (Prompt, compiled_method, hf_method, interleave_categories, markdown_table,
@@ -148,3 +148,26 @@ def test_a_compiled_baseline_that_fails_to_compile_is_left_out_and_said_so(capsy
     assert set(methods) == {"baseline"}
     assert notes["compiled"] == "left out: compiling failed here: RuntimeError: no compiler here"
     assert "compiled: left out" in capsys.readouterr().err
+
+
+def test_the_batch_bench_runs_every_prompt_at_every_size_and_records_what_it_chose():
+    """run_batch_benchmark: each size covers every prompt (in batches of that size, the last filled by cycling), so
+    sizes differ by their load only; fp32 greedy rows equal transformers' batched rows."""
+    from tokenmaxx.inference import SpeculativeGenerator
+    from tokenmaxx.inference.benchmark import batch_table, run_batch_benchmark
+
+    model = tiny_model("llama", seed=3)
+    model.generation_config.eos_token_id = None
+    prompts = [Prompt(i, "qa", torch.tensor([[3 + i, 4, 5, 6, 7, 3, 4][: 4 + i]])) for i in range(3)]
+    gen = SpeculativeGenerator(model, random_eagle3(model, seed=1), costs=None)
+    calls = []
+    original = gen.generate
+    gen.generate = lambda rows, **kw: calls.append([len(r) for r in rows]) or original(rows, **kw)
+    report = run_batch_benchmark(model, gen, prompts, [1, 2], max_new_tokens=6, progress=False)
+    # warm-up (one row), then size 1: each prompt alone; size 2: [0, 1], [2, 0]
+    assert calls == [[4], [4], [5], [6], [4, 5], [6, 4]]
+    for size in (1, 2):
+        assert report[size]["identical"] == 1.0
+        assert 0 < report[size]["prefill_share"] < 1
+    assert "hf_prompt_lookup_tokens_per_s" in report[1]
+    assert batch_table(report).count("\n") == 3  # a header, its rule and one line a size
