@@ -130,22 +130,20 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
 
     start = clock(device)
     lengths = attention_mask.sum(1).tolist()  # real prompt tokens per row
-    cache = DynamicCache(config=model.config)
-    positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
-    out = model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=positions,
-                past_key_values=cache, use_cache=True, output_hidden_states=True,
-                **_last_logits_only(model, input_ids.shape[1]))
-    hidden = backbone_features(out.hidden_states, feature_layers)  # [B, T, F]
-    roots = [choose_root(out.logits[b, -1], b) for b in range(batch)]
-    width = input_ids.shape[1]
+    table = costs.latency.at(0) if costs is not None and costs.latency else None
+    cache, hidden, last_logits = _prefill(model, input_ids, attention_mask, prefill_groups(lengths, table),
+                                          feature_layers)
+    roots = [choose_root(last_logits[b], b) for b in range(batch)]
+    width = hidden.shape[1]  # W: the longest prompt; every row's entries end there
     for b, drafter in enumerate(drafters):
         real = slice(width - lengths[b], width)
-        drafter.start(Prefill(input_ids=input_ids[b, real], hidden=hidden[b, real], root=roots[b]))
+        drafter.start(Prefill(input_ids=input_ids[b, input_ids.shape[1] - lengths[b]:], hidden=hidden[b, real],
+                              root=roots[b]))
     stats.prefill_seconds = clock(device) - start
 
     new_tokens = [[root] for root in roots]
     rows = list(range(batch))  # the batch's rows still generating, by their index in the inputs
-    live = attention_mask.clone()  # [B', C] each active row's live cache entries
+    live = attention_mask[:, attention_mask.shape[1] - width:].clone()  # [B', C] each active row's live entries
     ends = [width] * batch  # per active row: cache index after its last live entry (L_b)
     next_pos = list(lengths)  # per active row: position id of its root
     gate = LoadGate(costs.latency, costs.propose_seconds or 0.0) if costs is not None and costs.latency else None
@@ -199,6 +197,67 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
         stats.rows[row].new_tokens = len(tokens)
         stats.rows[row].finish()
     return new_tokens, stats
+
+
+def prefill_groups(lengths: Sequence[int], latency: dict[int, float] | None) -> list[list[int]]:
+    """The rows' prefills as groups of rows, each one left-padded forward: the grouping of the rows sorted by length
+    whose forwards cost least on ``latency`` (seconds per token count, ``VerifyLatency.at``; a group of g rows padded
+    to its longest prompt L costs what g x L tokens cost, extrapolated past the measured sizes). Where a forward's
+    cost grows with its tokens (a CPU), rows of very different lengths get their own forwards instead of paying for
+    the padding; where it stays flat (a GPU's small batches), one forward holds them all. None: one forward for all
+    rows, as the model computes a batch."""
+    if latency is None or len(lengths) == 1:
+        return [list(range(len(lengths)))]
+    order = sorted(range(len(lengths)), key=lambda b: lengths[b])
+    ordered = [lengths[b] for b in order]
+    best, cut = [0.0], [0]  # best[i]: the cheapest prefill of the i shortest rows; cut[i]: where its last group starts
+    for i in range(1, len(order) + 1):
+        choice = min(range(i), key=lambda j: best[j] + interpolate(latency, (i - j) * ordered[i - 1]))
+        best.append(best[choice] + interpolate(latency, (i - choice) * ordered[i - 1]))
+        cut.append(choice)
+    groups, end = [], len(order)
+    while end:
+        groups.append(sorted(order[cut[end]:end]))
+        end = cut[end]
+    return groups[::-1]
+
+
+def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]],
+             feature_layers) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """The prefill of left-padded rows input_ids [B, T] in ``groups`` (``prefill_groups``), each group one forward
+    padded to its own longest prompt, assembled into one cache left-padded to the longest prompt W. Returns the cache
+    (rows [B, heads, W, dim]), the features [B, W, F] and the last position's logits [B, V]."""
+    batch, total = input_ids.shape
+    width = int(attention_mask.sum(1).max())  # W (columns of padding in every row are dropped)
+    parts = []
+    for group in groups:
+        index = torch.tensor(group, device=input_ids.device)
+        ids, mask = input_ids[index, total - width:], attention_mask[index, total - width:]
+        own = int(mask.sum(1).max())  # the group's longest prompt
+        ids, mask = ids[:, width - own:], mask[:, width - own:]
+        cache = DynamicCache(config=model.config)
+        positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, past_key_values=cache,
+                    use_cache=True, output_hidden_states=True, **_last_logits_only(model, own))
+        parts.append((index, own, cache, backbone_features(out.hidden_states, feature_layers), out.logits[:, -1]))
+    if len(parts) == 1:
+        _, _, cache, hidden, logits = parts[0]
+        return cache, hidden, logits
+    index, own, first, hidden_part, logits_part = parts[0]
+    hidden = hidden_part.new_zeros(batch, width, hidden_part.shape[-1])
+    logits = logits_part.new_empty(batch, logits_part.shape[-1])
+    cache = DynamicCache(config=model.config)
+    for layer_idx, layer in enumerate(first.layers):  # zeros in the padding: masked, never read
+        shape = (batch, layer.keys.shape[1], width, layer.keys.shape[-1])
+        cache.update(layer.keys.new_zeros(shape), layer.values.new_zeros(shape[:-1] + layer.values.shape[-1:]),
+                     layer_idx)
+    for index, own, part, hidden_part, logits_part in parts:
+        for layer, done in zip(cache.layers, part.layers):
+            layer.keys[index, :, width - own:] = done.keys
+            layer.values[index, :, width - own:] = done.values
+        hidden[index, width - own:] = hidden_part
+        logits[index] = logits_part
+    return cache, hidden, logits
 
 
 def accept_rows_greedy(drafts: list[Draft], logits: torch.Tensor) -> list[Accepted]:

@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.inference import generator as generator_module
-from tokenmaxx.inference.batch import batched_decode
+from tokenmaxx.inference.batch import batched_decode, prefill_groups
 from tokenmaxx.inference.costs import Costs, VerifyLatency
 from tokenmaxx.inference.decoding import accept_greedy
 from tokenmaxx.inference.drafting import DraftSettings, make_drafter
@@ -84,6 +84,44 @@ def test_ids_with_a_padding_mask_and_long_accepted_paths():
     out = SpeculativeGenerator(model, None, draft="lookup").generate(ids, max_new_tokens=news, attention_mask=mask)
     for i, row in enumerate(out.rows):
         assert row.sequences.tolist() == refs[i][:, : len(prompts[i]) + news[i]].tolist(), i
+
+
+def test_prefill_groups_pay_for_padding_only_where_tokens_cost_time():
+    """Rows whose prompts differ a lot get their own prefill forwards where a forward's cost grows with its tokens;
+    one forward holds them all where it stays flat, or where nothing was measured."""
+    linear = {1: 0.040, 64: 0.040 + 63e-3}  # 40 ms a forward, 1 ms a token
+    flat = {1: 0.040, 64: 0.041}
+    lengths = [5, 100, 6, 95, 7]
+    assert prefill_groups(lengths, linear) == [[0, 2, 4], [1, 3]]
+    assert prefill_groups(lengths, flat) == [[0, 1, 2, 3, 4]]
+    assert prefill_groups(lengths, None) == [[0, 1, 2, 3, 4]]
+    assert prefill_groups([300, 8], {1: 0.001, 64: 0.064}) == [[1], [0]]  # no fixed cost: every row alone
+    assert prefill_groups([12], linear) == [[0]]
+
+
+def test_rows_prefilled_apart_and_a_padding_column_give_what_each_prompt_gives_alone():
+    """A grouped prefill (a short and a long prompt, on a table where padding costs time) assembled into one cache,
+    and a column of padding in every row: every row still equals greedy alone, and the prefill took two forwards."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = None
+    prompts = [p[0] for p, _ in random_prompts(3, model.config.vocab_size, seed=7)]
+    prompts = [prompts[0][:3], torch.cat([prompts[1], prompts[2], prompts[1]]), prompts[2][:4]]
+    refs = [greedy_reference(model, p[None], 14) for p in prompts]
+    latency = VerifyLatency({0: {1: 0.040, 64: 0.040 + 63e-3}})
+    ids, mask = _left_padded(prompts)
+    ids, mask = torch.cat([ids.new_zeros(3, 1), ids], 1), torch.cat([mask.new_zeros(3, 1), mask], 1)
+    forwards = []
+    handle = model.register_forward_hook(lambda module, args, kwargs_out: forwards.append(1))
+    drafters = [make_drafter("lookup", model, None, DraftSettings(costs=Costs(latency=latency))) for _ in prompts]
+    try:
+        with torch.no_grad():
+            tokens, stats = batched_decode(model, drafters, ids, mask, [14] * 3, accept_greedy, _greedy_root,
+                                           set(), costs=Costs(latency=latency))
+    finally:
+        handle.remove()
+    for i in range(3):
+        assert tokens[i] == refs[i][0, len(prompts[i]):].tolist(), i
+    assert len(forwards) == 2 + stats.forwards  # the two short rows together, the long one alone
 
 
 def test_the_node_budget_follows_the_load():
