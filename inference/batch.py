@@ -45,24 +45,32 @@ class LoadGate:
     A drafting round of B rows verifies about ``nodes`` nodes a row and runs each row's proposal in turn: it yields
     B x tau tokens in verify(B x nodes) + B x propose seconds; a plain round yields B tokens in verify(B). Drafting
     goes on while it is the faster of the two by these running means (decayed, from the batch's drafting rounds; an
-    optimistic start drafts the first rounds); otherwise the round is plain batched decoding, except every
-    ``explore_every``-th, which drafts to keep the means current. The time of a round comes from the latency table,
-    never a clock, so a seeded generation repeats itself."""
+    optimistic start drafts the first rounds); otherwise the round is plain batched decoding, except one that drafts
+    to keep the means current: ``explore_every`` plain rounds after drafting last won, then twice as many after each
+    exploration that did not win it back, up to ``max_interval`` (a batch too large for drafting to pay pays for an
+    exploration ever more rarely). The time of a round comes from the latency table, never a clock, so a seeded
+    generation repeats itself."""
 
     latency: VerifyLatency
     propose_seconds: float = 0.0
     decay: float = 0.8
     explore_every: int = 8
+    max_interval: int = 64
     tau: float = 2.0  # decayed mean tokens a row per drafting round
     nodes: float = 4.0  # decayed mean nodes a row per drafting round
     _plain: int = 0  # plain rounds since the last drafting one
+    _interval: int = 0  # plain rounds before the next exploration (0: explore_every)
 
     def draft(self, rows: int, prefix_len: int) -> bool:
         table = self.latency.at(prefix_len)
         drafting = rows * self.tau / (interpolate(table, rows * self.nodes) + rows * self.propose_seconds)
         plain = rows / interpolate(table, rows)
-        if drafting >= plain or self._plain + 1 >= self.explore_every:
-            self._plain = 0
+        interval = self._interval or self.explore_every
+        if drafting >= plain:
+            self._plain, self._interval = 0, self.explore_every
+            return True
+        if self._plain + 1 >= interval:  # an exploration; the next one waits longer unless drafting wins meanwhile
+            self._plain, self._interval = 0, min(2 * interval, max(self.max_interval, self.explore_every))
             return True
         self._plain += 1
         return False

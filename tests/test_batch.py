@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.inference import generator as generator_module
-from tokenmaxx.inference.batch import batched_decode, prefill_groups
+from tokenmaxx.inference.batch import LoadGate, batched_decode, prefill_groups
 from tokenmaxx.inference.costs import Costs, VerifyLatency
 from tokenmaxx.inference.decoding import accept_greedy
 from tokenmaxx.inference.drafting import DraftSettings, make_drafter
@@ -122,6 +122,24 @@ def test_rows_prefilled_apart_and_a_padding_column_give_what_each_prompt_gives_a
     for i in range(3):
         assert tokens[i] == refs[i][0, len(prompts[i]):].tolist(), i
     assert len(forwards) == 2 + stats.forwards  # the two short rows together, the long one alone
+
+
+def test_the_load_gate_explores_ever_more_rarely_while_drafting_loses_and_drafts_again_when_it_wins():
+    """On a table where a token costs its full time (16 rows x 4 nodes cost 4x a plain round), drafting at tau 1.5
+    loses: the rounds are plain except explorations 8, 16, 32 and then 64 rounds apart. Once the rounds it drafts
+    yield enough (tau 6), it drafts every round again."""
+    gate = LoadGate(VerifyLatency({0: {1: 0.001, 256: 0.256}}), propose_seconds=0.0, decay=0.0)
+    gate.update(1.5, 4.0)
+    drafted = []
+    for round_ in range(1, 250):
+        if gate.draft(16, 0):
+            drafted.append(round_)
+            gate.update(1.5, 4.0)
+    assert drafted == [8, 24, 56, 120, 184, 248]
+    gate.update(6.0, 4.0)
+    assert all(gate.draft(16, 0) for _ in range(5))
+    gate.update(1.5, 4.0)  # losing again: the explorations start 8 rounds apart
+    assert [gate.draft(16, 0) for _ in range(8)] == [False] * 7 + [True]
 
 
 def test_the_node_budget_follows_the_load():
