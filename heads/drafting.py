@@ -4,7 +4,8 @@ A round: the drafter proposes a ``Draft`` (tree tokens, their compiled buffers, 
 likely its path is accepted); the backbone verifies it; the drafter then observes the ``Outcome``. Head kinds build
 their own drafters (``DraftHeads.drafter``), so these plain records live beside the heads; the protocol, the lookup
 drafter and the budget drafter that sizes the heads' trees (with or without lookup branches) are in
-``tokenmaxx.inference``.
+``tokenmaxx.inference``. A proposal can also run as steps (``proposal_steps``): a generator yielding the draft-module
+passes it needs, so a batch computes the passes of all its rows in one call (``sequential.run_passes``).
 
 Letters: N tree nodes, P prompt tokens, H hidden size, m accepted candidates.
 """
@@ -12,6 +13,7 @@ Letters: N tree nodes, P prompt tokens, H hidden size, m accepted candidates.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generator, Sequence
 
 import torch
 
@@ -65,3 +67,80 @@ class Outcome:
     emitted: list[int]  # what the round added to the output (``tokens`` cut at EOS / max_new_tokens)
     path: list[int]  # ``nodes`` as a list
     token_ids: torch.Tensor  # [m+1] long: ``tokens`` on the backbone's device (its last: the next round's root)
+
+
+class Pass:
+    """One draft-module pass a proposal asks for (``proposal_steps``): ``run()`` computes it alone; passes of several
+    rows' proposals whose ``batch_key`` is the same (not None) can be computed together in one batched call
+    (``sequential.run_passes``)."""
+
+    batch_key = None
+
+    def run(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def run_together(passes: list["Pass"]) -> list[torch.Tensor]:
+        """The results of several passes of one ``batch_key``: here each alone; kinds that batch override it."""
+        return [p.run() for p in passes]
+
+
+def run_passes(passes: list[Pass]) -> list[torch.Tensor]:
+    """Each pass's result; those of a common ``batch_key`` computed together (``Pass.run_together``)."""
+    results: list[torch.Tensor | None] = [None] * len(passes)
+    groups: dict[object, list[int]] = {}
+    for i, request in enumerate(passes):
+        key = request.batch_key
+        if key is None:
+            results[i] = request.run()
+        else:
+            groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        outs = passes[members[0]].run_together([passes[i] for i in members]) if len(members) > 1 \
+            else [passes[members[0]].run()]
+        for i, out in zip(members, outs):
+            results[i] = out
+    return results
+
+
+def proposal_steps(drafter, root: int, room: int) -> Generator[Pass, torch.Tensor, Draft]:
+    """A drafter's ``propose(root, room)`` as steps: a generator that yields each module ``Pass`` it needs and is sent
+    the pass's result, returning the draft. A drafter with ``propose_steps`` yields its passes (so a batch runs the
+    passes of all its rows at once); any other proposes in one call."""
+    steps = getattr(drafter, "propose_steps", None)
+    if steps is None:
+        return drafter.propose(root, room)
+    return (yield from steps(root, room))
+
+
+def run_alone(steps: Generator[Pass, torch.Tensor, Draft]):
+    """Drive ``steps`` (a generator of ``Pass``) to its result, computing each pass alone."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(request.run())
+    except StopIteration as stop:
+        return stop.value
+
+
+def propose_rows(drafters: Sequence, roots: Sequence[int], rooms: Sequence[int]) -> list[Draft]:
+    """Every row's ``propose(root, room)``, run as steps (``drafting.proposal_steps``) in lockstep: each time every
+    row still drafting waits on a module pass, the passes are computed together (``drafting.run_passes``: one module
+    call for the rows of one heads module, e.g. one EAGLE-3 pass a tree level for the whole batch)."""
+    steps = [proposal_steps(d, root, room) for d, root, room in zip(drafters, roots, rooms)]
+    drafts: list[Draft | None] = [None] * len(steps)
+    waiting = {}
+    for i, row_steps in enumerate(steps):
+        try:
+            waiting[i] = next(row_steps)
+        except StopIteration as stop:
+            drafts[i] = stop.value
+    while waiting:
+        rows = list(waiting)
+        for i, out in zip(rows, run_passes([waiting[i] for i in rows])):
+            try:
+                waiting[i] = steps[i].send(out)
+            except StopIteration as stop:
+                drafts[i] = stop.value
+                del waiting[i]
+    return drafts

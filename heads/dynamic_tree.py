@@ -19,14 +19,15 @@ would expand) is below ``min_mass``: each level costs one module pass and one vo
 that is rarely reached gives back (docs/benchmarks.md).
 The tree's buffers have the same fields as static trees' and are verified, accepted and committed by the same code.
 
-``grow_tree`` is the pure algorithm (any child-log-prob function); the sequential kinds' drafter
+``tree_growth`` is the pure algorithm (a generator sent each frontier's child log-probs; ``grow_tree`` drives it with
+a function); the sequential kinds' drafter
 (``sequential.SequentialDrafter``, for EAGLE-3, the default kind, and MTP) runs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 
@@ -113,10 +114,26 @@ class Frontier:
 def grow_tree(root: torch.Tensor | int, root_logprobs: torch.Tensor,
               expand: Callable[[Frontier], torch.Tensor], topk: int, depth: int, nodes: int,
               token_ids: torch.Tensor | None = None, min_mass: float = 0.0, stop_early: bool = True) -> DraftTree:
-    """Grow a draft tree (see the module docstring) with tensors on ``root_logprobs``' device.
+    """``tree_growth`` with each level's frontier expanded by ``expand(frontier)`` (its children's log-probs
+    [F, V]) as it comes."""
+    growth = tree_growth(root, root_logprobs, topk, depth, nodes, token_ids, min_mass, stop_early)
+    try:
+        frontier = next(growth)
+        while True:
+            frontier = growth.send(expand(frontier))
+    except StopIteration as stop:
+        return stop.value
+
+
+def tree_growth(root: torch.Tensor | int, root_logprobs: torch.Tensor, topk: int, depth: int, nodes: int,
+                token_ids: torch.Tensor | None = None, min_mass: float = 0.0,
+                stop_early: bool = True) -> Generator[Frontier, torch.Tensor, DraftTree]:
+    """Grow a draft tree (see the module docstring) with tensors on ``root_logprobs``' device: a generator that yields
+    each level's frontier and is sent its children's log-probs [F, V] (so the module passes of several trees can be
+    run together: ``sequential.run_passes``); it returns the tree.
 
     root: the root token ([1] long tensor on that device, or an int). root_logprobs [V]: draft log-probs of the root's
-    children. ``expand(frontier)`` returns the frontier's children's log-probs [F, V]. ``token_ids`` [V]: the token
+    children. ``token_ids`` [V]: the token
     id of each log-prob column when they cover a draft vocabulary (default: column = token id).
 
     ``stop_early``: each level first asks whether any frontier node can still enter the kept set and whether the
@@ -155,7 +172,7 @@ def grow_tree(root: torch.Tensor | int, root_logprobs: torch.Tensor,
                                 parent_slot=frontier.parent_slot[rows], ancestors=frontier.ancestors[rows], live=live)
             slots, front_scores, live = slots[rows], front_scores[rows], live[rows]
         frontier.live = live
-        logprobs = expand(frontier).float()  # [F, V]
+        logprobs = (yield frontier).float()  # [F, V]: the frontier's children
         top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
         child_scores = (front_scores[:, None] + top.values).masked_fill(~live[:, None], float("-inf"))  # [F, k]
         fanout = top.indices.shape[1]

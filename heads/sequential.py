@@ -20,6 +20,8 @@ Letters: B batch, T time, D depths, H hidden size, F backbone feature size, V vo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -28,9 +30,9 @@ from transformers import DynamicCache, StaticCache
 from .attention import UNROLLED, shared_kv_kwargs
 from .capture import captured
 from .draft_vocab import DraftVocab
-from .drafting import HEADS, Draft, Outcome, Prefill
+from .drafting import HEADS, Draft, Outcome, Pass, Prefill, run_alone
 from .machine import reads_are_free
-from .dynamic_tree import DynamicTreeConfig, Frontier, grow_tree
+from .dynamic_tree import DynamicTreeConfig, Frontier, tree_growth
 from .modeling import DraftHeads
 
 
@@ -268,22 +270,26 @@ class SequentialDrafter:
         self._pending.append((outcome.hidden, outcome.token_ids))
         self.root_token = outcome.token_ids[-1:]
 
-    def _catch_up(self) -> None:
+    def _catch_up_steps(self):
         """The module cache learns the accepted positions observed since the last proposal (one pass)."""
         if self._pending:
             hidden, tokens = (torch.cat(parts) for parts in zip(*self._pending))
             self._pending.clear()
-            self.advance(hidden, tokens)
+            yield from self._advance_steps(hidden, tokens)
 
     def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Add anchors: hidden [n, F] backbone features at the next n positions, next_tokens [n] the token after
         each."""
+        run_alone(self._advance_steps(hidden, next_tokens))
+
+    def _advance_steps(self, hidden: torch.Tensor, next_tokens: torch.Tensor):
         n, cached = hidden.shape[0], self.cached
         visible = torch.ones(n, cached + n, dtype=torch.bool, device=self.device)  # [n, C+n]
         visible[:, cached:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(self.next_position, self.next_position + n, device=self.device)  # [n]
         tokens = torch.as_tensor(next_tokens, dtype=torch.long, device=self.device)  # [n]
-        states = self._run(self.heads.lift(hidden), tokens, positions, visible)  # lift and step cast to the module dtype
+        # lift and step cast to the module dtype
+        states = yield ModulePass(self, self.heads.lift(hidden), tokens, positions, visible)
         self.length += n
         self.next_position += n
         self.last_state = states[-1]
@@ -297,43 +303,110 @@ class SequentialDrafter:
         return torch.log_softmax(logits.float(), dim=-1)
 
     def propose(self, root: int, room: int) -> Draft:
-        """A dynamic tree below ``root`` at most ``room`` deep, grown on the device (``dynamic_tree.grow_tree``; the
+        """A dynamic tree below ``root`` at most ``room`` deep, grown on the device (``dynamic_tree.tree_growth``; the
         root token is the device copy ``observe`` kept). Leaves the module cache as it found it."""
+        return run_alone(self.propose_steps(root, room))
+
+    def propose_steps(self, root: int, room: int):
+        """``propose`` as steps (``drafting.proposal_steps``): yields each module pass (``ModulePass``)."""
         depth = min(self.depth, room)
         if depth <= 0 or self.config.nodes <= 1:
             return Draft.root_only(root, self.device)
-        self._catch_up()
+        yield from self._catch_up_steps()
         cached = self.cached
         anchor = self.next_position - 1  # the newest anchor's position: a depth-d node's query sits at anchor + d
         outputs: list[torch.Tensor] = []  # per expanded level: its frontier's output states [F, H]
         widths: list[int] = []  # per expanded level: its frontier's width (module cache entries appended)
-
-        def expand(frontier: Frontier) -> torch.Tensor:
-            f = frontier.tokens.shape[0]
-            rows = torch.arange(f, device=self.device)
-            visible = torch.zeros(f, cached + sum(widths) + f, dtype=torch.bool, device=self.device)  # [F, C+E+F]
-            visible[:, :cached] = True  # accepted anchors (including this chain's depth-1 entry)
-            offset = cached
-            for level, width in enumerate(widths):  # each node's ancestor among the entries of each earlier level
-                visible[rows, offset + frontier.ancestors[:, level]] = True
-                offset += width
-            visible[rows, offset + rows] = True
-            prev = self.last_state.expand(f, -1) if not outputs else outputs[-1][frontier.parent_slot]  # [F, H]
-            positions = torch.full((f,), anchor + frontier.level, device=self.device)  # [F]
-            out = self._run(prev, frontier.tokens, positions, visible)  # [F, H]
-            outputs.append(out)
-            widths.append(f)
-            return self._logprobs(out)  # [F, V or Vd]
-
+        growth = tree_growth(self.root_token, self._logprobs(self.last_state), self.config.topk, depth,
+                             self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
+                             min_mass=self.config.min_mass, stop_early=self.stop_early)
         try:
-            grown = grow_tree(self.root_token, self._logprobs(self.last_state), expand, self.config.topk, depth,
-                              self.config.nodes, token_ids=None if self.vocab is None else self.vocab.ids,
-                              min_mass=self.config.min_mass, stop_early=self.stop_early)
+            frontier = next(growth)
+            while True:  # one pass a level: the frontier's queries see the anchors and their own ancestors
+                f = frontier.tokens.shape[0]
+                rows = torch.arange(f, device=self.device)
+                visible = torch.zeros(f, cached + sum(widths) + f, dtype=torch.bool, device=self.device)  # [F, C+E+F]
+                visible[:, :cached] = True  # accepted anchors (including this chain's depth-1 entry)
+                offset = cached
+                for level, width in enumerate(widths):  # each node's ancestor among the entries of each earlier level
+                    visible[rows, offset + frontier.ancestors[:, level]] = True
+                    offset += width
+                visible[rows, offset + rows] = True
+                prev = self.last_state.expand(f, -1) if not outputs else outputs[-1][frontier.parent_slot]  # [F, H]
+                positions = torch.full((f,), anchor + frontier.level, device=self.device)  # [F]
+                out = yield ModulePass(self, prev, frontier.tokens, positions, visible)  # [F, H]
+                outputs.append(out)
+                widths.append(f)
+                frontier = growth.send(self._logprobs(out))  # [F, V or Vd]
+        except StopIteration as stop:
+            grown = stop.value
         finally:  # drop the tree's entries (a preallocated cache is written over by the next pass)
             if not self.capture and self.cache.get_seq_length() > cached:  # (crop takes a negative count)
                 self.cache.crop(cached - self.cache.get_seq_length())
         return Draft(tokens=grown.tokens, buffers=grown.buffers, sources=torch.full_like(grown.tokens, HEADS),
                      values=grown.scores.exp())
+
+
+@dataclass(eq=False)
+class ModulePass(Pass):
+    """One pass of a ``SequentialDrafter``'s module over n queries, written after its cache's entries: ``run`` is
+    the drafter's own pass; ``run_together`` computes the passes of several drafters of the same heads (a batch's
+    rows, each with its own cache) in one module call."""
+
+    drafter: SequentialDrafter
+    prev: torch.Tensor  # [n, H] states before the queries (lifted backbone features or module outputs)
+    tokens: torch.Tensor  # [n] long
+    positions: torch.Tensor  # [n] long
+    visible: torch.Tensor  # [n, C+n] bool over (the drafter's cache, these queries)
+
+    @property
+    def batch_key(self):
+        """Drafters of one heads module on one device batch together; a captured one (fixed shapes) runs alone."""
+        drafter = self.drafter
+        return None if drafter.capture else (drafter.heads, drafter.embed, drafter.device)
+
+    def run(self) -> torch.Tensor:
+        return self.drafter._run(self.prev, self.tokens, self.positions, self.visible)
+
+    @staticmethod
+    def run_together(passes: list["ModulePass"]) -> list[torch.Tensor]:
+        """The passes of R drafters in one module call: their caches stacked (right-padded to the longest, C), their
+        queries padded to the most (n); each query sees its own row's entries and queries as its ``visible`` says, a
+        padding query only itself. Each drafter's cache then gains its own queries' entries, as its own pass would
+        have written them. Returns each pass's states [n_r, H]."""
+        first = passes[0].drafter
+        heads, device, dtype = first.heads, first.device, first.heads.dtype
+        if any(not p.drafter.cache.layers or not all(layer.is_initialized for layer in p.drafter.cache.layers)
+               for p in passes):
+            return [p.run() for p in passes]  # (an empty cache: nothing to stack)
+        counts = [p.tokens.shape[0] for p in passes]
+        kept = [p.visible.shape[1] - k for p, k in zip(passes, counts)]
+        rows, n, width = len(passes), max(counts), max(kept)
+        prev = torch.zeros(rows, n, passes[0].prev.shape[-1], dtype=dtype, device=device)
+        tokens = torch.zeros(rows, n, dtype=torch.long, device=device)
+        positions = torch.zeros(rows, n, dtype=torch.long, device=device)
+        visible = torch.zeros(rows, n, width + n, dtype=torch.bool, device=device)  # [R, n, C+n]
+        own = torch.arange(n, device=device)
+        visible[:, own, width + own] = True
+        for r, (p, k, c) in enumerate(zip(passes, counts, kept)):
+            prev[r, :k], tokens[r, :k], positions[r, :k] = p.prev.to(dtype), p.tokens, p.positions
+            visible[r, :k, :c] = p.visible[:, :c]
+            visible[r, :k, width: width + k] = p.visible[:, c:]
+        mask = torch.zeros(rows, 1, n, width + n, dtype=dtype, device=device)
+        mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+        cache = DynamicCache()
+        for index, layers in enumerate(zip(*(p.drafter.cache.layers for p in passes))):
+            keys = layers[0].keys.new_zeros(rows, *layers[0].keys.shape[1:2], width, layers[0].keys.shape[-1])
+            values = layers[0].values.new_zeros(rows, *layers[0].values.shape[1:2], width, layers[0].values.shape[-1])
+            for r, (layer, c) in enumerate(zip(layers, kept)):
+                keys[r, :, :c], values[r, :, :c] = layer.keys[0, :, :c], layer.values[0, :, :c]
+            cache.update(keys, values, index)
+        states = heads.step(prev, tokens, first.embed, positions, mask, cache)  # [R, n, H]
+        for r, (p, k) in enumerate(zip(passes, counts)):  # each drafter keeps its own queries' entries
+            for index, layer in enumerate(cache.layers):
+                p.drafter.cache.update(layer.keys[r: r + 1, :, width: width + k],
+                                       layer.values[r: r + 1, :, width: width + k], index)
+        return [states[r, :k] for r, k in enumerate(counts)]
 
 
 def _tokens_at(input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

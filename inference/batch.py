@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from tokenmaxx.heads.drafting import Draft, Outcome, Prefill
+from tokenmaxx.heads.drafting import Draft, Outcome, Prefill, propose_rows
 from tokenmaxx.heads.machine import clock
 from tokenmaxx.heads.modeling import backbone_features
 
@@ -42,8 +42,9 @@ Accept = Callable[[torch.Tensor, torch.Tensor, object], Accepted]
 class LoadGate:
     """Whether a round of the batch drafts at all, on the measured costs.
 
-    A drafting round of B rows verifies about ``nodes`` nodes a row and runs each row's proposal in turn: it yields
-    B x tau tokens in verify(B x nodes) + B x propose seconds; a plain round yields B tokens in verify(B). Drafting
+    A drafting round of B rows verifies about ``nodes`` nodes a row and runs the rows' proposals (together,
+    ``drafting.propose_rows``): it yields B x tau tokens in verify(B x nodes) + propose(B) seconds; a plain round
+    yields B tokens in verify(B). Drafting
     goes on while it is the faster of the two by these running means (decayed, from the batch's drafting rounds; an
     optimistic start drafts the first rounds); otherwise the round is plain batched decoding, except one that drafts
     to keep the means current: ``explore_every`` plain rounds after drafting last won, then twice as many after each
@@ -52,7 +53,7 @@ class LoadGate:
     generation repeats itself."""
 
     latency: VerifyLatency
-    propose_seconds: float = 0.0
+    propose: Callable[[int], float] = lambda rows: 0.0  # seconds of a round's proposals by rows (``Costs.propose_time``)
     decay: float = 0.8
     explore_every: int = 8
     max_interval: int = 64
@@ -63,7 +64,7 @@ class LoadGate:
 
     def draft(self, rows: int, prefix_len: int) -> bool:
         table = self.latency.at(prefix_len)
-        drafting = rows * self.tau / (interpolate(table, rows * self.nodes) + rows * self.propose_seconds)
+        drafting = rows * self.tau / (interpolate(table, rows * self.nodes) + self.propose(rows))
         plain = rows / interpolate(table, rows)
         interval = self._interval or self.explore_every
         if drafting >= plain:
@@ -154,7 +155,7 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
     live = attention_mask[:, attention_mask.shape[1] - width:].clone()  # [B', C] each active row's live entries
     ends = [width] * batch  # per active row: cache index after its last live entry (L_b)
     next_pos = list(lengths)  # per active row: position id of its root
-    gate = LoadGate(costs.latency, costs.propose_seconds or 0.0) if costs is not None and costs.latency else None
+    gate = LoadGate(costs.latency, costs.propose_time) if costs is not None and costs.latency else None
     start = clock(device)
     while True:
         keep = [i for i, row in enumerate(rows) if not _done(new_tokens[row], max_new_tokens[row], eos)]
@@ -166,14 +167,13 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
             live, ends, next_pos = live.index_select(0, index), [ends[i] for i in keep], [next_pos[i] for i in keep]
-        drafts: list[Draft] = []
         for row in rows:  # the load each row's trees are priced at (budget drafters; others draft as they do)
             if hasattr(drafters[row], "share_forward"):
                 drafters[row].share_forward(len(rows))
         drafting = gate is None or gate.draft(len(rows), max(ends))
-        for row in rows:  # a plain round proposes nothing (room 0: the root alone)
-            room = max_new_tokens[row] - len(new_tokens[row]) - 1 if drafting else 0
-            drafts.append(drafters[row].propose(new_tokens[row][-1], room))
+        # a plain round proposes nothing (room 0: the root alone)
+        drafts = propose_rows([drafters[row] for row in rows], [new_tokens[row][-1] for row in rows],
+                              [max_new_tokens[row] - len(new_tokens[row]) - 1 if drafting else 0 for row in rows])
         verified_logits, verified_hidden = _verify(model, cache, live, ends, next_pos, drafts, forward,
                                                    feature_layers)
         stats.forwards += 1

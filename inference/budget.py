@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
-from tokenmaxx.heads.drafting import HEADS, LOOKUP, Draft, Outcome, Prefill
+from tokenmaxx.heads.drafting import HEADS, LOOKUP, Draft, Outcome, Prefill, proposal_steps, run_alone
 from tokenmaxx.heads.tree import TreeBuffers, host_tree
 
-from .costs import VerifyLatency, interpolate
+from .costs import Costs, VerifyLatency, interpolate
 from .lookup import LookupConfig, NgramIndex, merge_lists
 
 
@@ -288,16 +288,19 @@ class BudgetDrafter:
     valuable nodes, as many as pay for their verify time on ``latency`` (None: the whole budget). ``observe`` updates
     the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
     ``propose_seconds``: seconds one proposal of the heads takes on this machine; with ``latency`` it sizes the trees
-    of the rounds the heads run and sets the gate's bar (None: neither). Without lookup, a round whose heads sit out
+    of the rounds the heads run and sets the gate's bar (None: neither); ``propose_rows``: several rows' proposals
+    together (``Costs.propose_rows``), which a row of a batch is charged its share of. Without lookup, a round whose heads sit out
     verifies the root alone (a plain decode step).
     """
 
     def __init__(self, heads_drafter, lookup: LookupConfig | None = None, gate: GateConfig | None = None,
-                 nodes: int = 1, latency: VerifyLatency | None = None, propose_seconds: float | None = None):
+                 nodes: int = 1, latency: VerifyLatency | None = None, propose_seconds: float | None = None,
+                 propose_rows: Mapping[int, float] | None = None):
         self.heads = heads_drafter
         self.lookup = lookup  # None: the heads' tree alone
         self.gate_settings = gate or GateConfig()
-        self.propose_cost = propose_seconds or 0.0
+        # proposing seconds: one row's, and several rows' together (a batch's, ``Costs.propose_time``)
+        self.proposing = Costs(propose_seconds=propose_seconds, propose_rows=propose_rows or {})
         self.feature_layers = heads_drafter.feature_layers  # the states are the heads drafter's
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
         self.device = heads_drafter.device  # where the drafts live (the backbone's)
@@ -318,10 +321,17 @@ class BudgetDrafter:
         self._round: tuple[list, SharedTree, tuple[float, float]] | None = None  # branch estimates, shared tree,
         # and verify seconds without / with the heads-only nodes
 
+    @property
+    def propose_cost(self) -> float:
+        """Seconds of this row's proposal: its share of the proposals of the rows it drafts beside."""
+        return self.proposing.propose_time(self.rows) / self.rows
+
     def share_forward(self, rows: int) -> None:
         """From now on this drafter's trees are verified in one forward with those of ``rows`` rows in all
-        (``batch.batched_decode``): its nodes are priced at that load (``VerifyLatency.at``)."""
+        (``batch.batched_decode``): its nodes are priced at that load (``VerifyLatency.at``), its proposal at its
+        share of the rows' proposals run together."""
         self.rows = rows
+        self.gate.cost = self.propose_cost if self.latency is not None else 0.0
 
     def describe(self) -> str:
         if self.lookup is not None:
@@ -336,12 +346,16 @@ class BudgetDrafter:
         self.heads.start(prefill)
 
     def propose(self, root: int, room: int) -> Draft:
+        return run_alone(self.propose_steps(root, room))
+
+    def propose_steps(self, root: int, room: int):
+        """``propose`` as steps (``drafting.proposal_steps``): yields the heads' module passes."""
         # no room: a round that drafts nothing (the generation's end, or a batch drafting nothing this round); the gate
         # neither decides nor learns from it
         self._drafting = room > 0
         heads_ran = self.gate.propose() if self._drafting else True
         if heads_ran:  # the heads' tree, read to the host once (``share_budget``)
-            own = self.heads.propose(root, room)
+            own = yield from proposal_steps(self.heads, root, room)
             tokens, parents, values = read_tree(own.tokens, own.buffers, own.values)
         else:
             tokens, parents, values = [root], [0], [1.0]

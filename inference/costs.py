@@ -7,7 +7,9 @@ machine's speed comes in a ``Costs``:
   the heads' and hybrid trees are cut per round to the nodes worth their verify time (``budget.share_budget``);
   without it every round verifies the whole tree.
 - ``propose_seconds``: seconds one proposal of the heads takes. With ``latency`` it prices the heads' rounds, and
-  heads that do not earn it sit rounds out (``budget.HeadsGate``).
+  heads that do not earn it sit rounds out (``budget.HeadsGate``). ``propose_rows``: the seconds of several rows'
+  proposals run together (a batch's, whose module passes are batched), which a batch's load gate prices its
+  drafting rounds at (``batch.LoadGate``).
 - ``small_rows``: the tree sizes whose verifies compute (some of) the backbone's linear layers as ``(W @ x^T)^T``
   (``forward.transposed_linears``), where this CPU's BLAS is faster that way.
 
@@ -83,8 +85,25 @@ class Costs:
     latency: VerifyLatency | None = None
     propose_seconds: float | None = None
     small_rows: Mapping[int, str] = field(default_factory=dict)  # rows -> "all" | "head" | "body"
+    # R -> seconds of R rows' proposals run together (``drafting.propose_rows``), R >= 2; empty: R x propose_seconds
+    propose_rows: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.propose_seconds is not None and not self.propose_seconds >= 0:
             raise ValueError(f"propose_seconds must be >= 0 seconds, got {self.propose_seconds!r}")
+        bad = {r: s for r, s in dict(self.propose_rows).items()
+               if not isinstance(r, int) or isinstance(r, bool) or r < 2 or not s >= 0}
+        if bad or (self.propose_rows and self.propose_seconds is None):
+            raise ValueError(f"propose_rows must map rows >= 2 to seconds >= 0, beside a propose_seconds for one row; "
+                             f"got {dict(self.propose_rows)!r} with propose_seconds={self.propose_seconds!r}")
+        object.__setattr__(self, "propose_rows", {int(r): float(s) for r, s in dict(self.propose_rows).items()})
         object.__setattr__(self, "small_rows", as_plan(self.small_rows))  # checked, as a plain dict
+
+    def propose_time(self, rows: int) -> float:
+        """Seconds of one round's proposals for ``rows`` rows: between the measured row counts linearly (extended
+        along the last segment), rows x one row's without them; 0 when proposing was not measured."""
+        if self.propose_seconds is None:
+            return 0.0
+        if rows == 1 or not self.propose_rows:
+            return rows * self.propose_seconds
+        return interpolate({1: self.propose_seconds, **self.propose_rows}, rows)

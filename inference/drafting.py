@@ -72,7 +72,7 @@ def _heads(model, heads, settings: DraftSettings) -> Drafter:
         return own
     # on a measured latency the tree is cut per round to the nodes that pay for their verify time
     return BudgetDrafter(own, lookup=None, gate=settings.gate, nodes=own.nodes, latency=costs.latency,
-                         propose_seconds=costs.propose_seconds)
+                         propose_seconds=costs.propose_seconds, propose_rows=costs.propose_rows)
 
 
 def _lookup(model, heads, settings: DraftSettings) -> Drafter:
@@ -83,7 +83,7 @@ def _hybrid(model, heads, settings: DraftSettings) -> Drafter:
     own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab, capture=settings.capture)
     costs = settings.costs or Costs()
     return BudgetDrafter(own, lookup=settings.lookup, gate=settings.gate, nodes=own.nodes, latency=costs.latency,
-                         propose_seconds=costs.propose_seconds)
+                         propose_seconds=costs.propose_seconds, propose_rows=costs.propose_rows)
 
 
 DRAFT_MODES: dict[str, Callable[..., Drafter]] = {"heads": _heads, "lookup": _lookup, "hybrid": _hybrid}

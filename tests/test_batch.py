@@ -10,10 +10,12 @@ from helpers import (HostTraffic, OracleMTP, broken_accept, chi2_pvalue, exact_p
                      random_prompts, repeating_prompts, tiny_model)
 from transformers import GenerationConfig
 
+from tokenmaxx.heads.drafting import Outcome, Prefill
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
+from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.inference import generator as generator_module
-from tokenmaxx.inference.batch import LoadGate, batched_decode, prefill_groups
+from tokenmaxx.inference.batch import LoadGate, batched_decode, prefill_groups, propose_rows
 from tokenmaxx.inference.costs import Costs, VerifyLatency
 from tokenmaxx.inference.decoding import accept_greedy
 from tokenmaxx.inference.drafting import DraftSettings, make_drafter
@@ -128,7 +130,7 @@ def test_the_load_gate_explores_ever_more_rarely_while_drafting_loses_and_drafts
     """On a table where a token costs its full time (16 rows x 4 nodes cost 4x a plain round), drafting at tau 1.5
     loses: the rounds are plain except explorations 8, 16, 32 and then 64 rounds apart. Once the rounds it drafts
     yield enough (tau 6), it drafts every round again."""
-    gate = LoadGate(VerifyLatency({0: {1: 0.001, 256: 0.256}}), propose_seconds=0.0, decay=0.0)
+    gate = LoadGate(VerifyLatency({0: {1: 0.001, 256: 0.256}}), decay=0.0)
     gate.update(1.5, 4.0)
     drafted = []
     for round_ in range(1, 250):
@@ -140,6 +142,53 @@ def test_the_load_gate_explores_ever_more_rarely_while_drafting_loses_and_drafts
     assert all(gate.draft(16, 0) for _ in range(5))
     gate.update(1.5, 4.0)  # losing again: the explorations start 8 rounds apart
     assert [gate.draft(16, 0) for _ in range(8)] == [False] * 7 + [True]
+
+
+def test_the_rows_module_passes_run_together_and_draft_what_each_row_drafts_alone():
+    """propose_rows: three EAGLE-3 rows (prompts of different lengths, one with accepted positions still to learn)
+    draft in one module call a step (the catch-up, then a tree level) instead of one a row, and each row's tree is the
+    one it drafts alone (fp32), its module cache left as alone."""
+    model = tiny_model("llama", seed=6)
+    heads = random_eagle3(model, seed=2, scale=0.5)
+    tree = DynamicTreeConfig(nodes=40, topk=3, depth=4, min_mass=0.0)
+    prompts = [p[0] for p, _ in random_prompts(3, model.config.vocab_size, seed=9)]
+    prompts = [prompts[0][:5], prompts[1], torch.cat([prompts[2], prompts[0]])]
+
+    def started():
+        drafters = []
+        for i, ids in enumerate(prompts):
+            with torch.no_grad():
+                out = model(ids[None], output_hidden_states=True)
+            hidden = backbone_features(out.hidden_states, heads.feature_layers)[0]
+            drafter = heads.drafter(model, tree)
+            cut = len(ids) - 2 if i == 1 else len(ids)
+            drafter.start(Prefill(input_ids=ids[:cut], hidden=hidden[:cut], root=7 + i))
+            if i == 1:  # two accepted positions for the next proposal to learn first (its catch-up pass)
+                drafter.observe(Outcome(draft=None, nodes=None, tokens=[], hidden=hidden[-2:], emitted=[], path=[],
+                                        token_ids=torch.tensor([4, 9])))
+            drafters.append(drafter)
+        return drafters
+
+    alone, together = started(), started()
+    calls, expected = [], []
+    step = heads.step
+    heads.step = lambda prev, *args, **kw: calls.append(prev.shape[0]) or step(prev, *args, **kw)
+    with torch.no_grad():
+        solo = []
+        for d in alone:
+            calls[:] = []
+            expected.append(d.propose(9, 5))
+            solo.append(len(calls))
+        calls[:] = []
+        drafts = propose_rows(together, [9, 9, 9], [5, 5, 5])
+    # one call a step for the rows still drafting: as many calls as the longest row's own, each row in as many
+    assert len(calls) == max(solo) > min(solo) and calls == [sum(n > k for n in solo) for k in range(max(solo))]
+    for mine, want, a, b in zip(drafts, expected, together, alone):
+        assert mine.tokens.tolist() == want.tokens.tolist()
+        assert torch.equal(mine.buffers.retrieve, want.buffers.retrieve)
+        assert torch.allclose(mine.values, want.values, atol=1e-5)
+        assert a.cached == b.cached and a.cache.get_seq_length() == b.cache.get_seq_length()
+        assert torch.allclose(a.cache.layers[0].keys, b.cache.layers[0].keys, atol=1e-5)
 
 
 def test_the_node_budget_follows_the_load():

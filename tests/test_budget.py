@@ -214,3 +214,21 @@ def test_share_budget_sizes_the_tree_from_the_latency_table():
     # ((1 + 0.9 + 0.81 + 0.5 + 0.3 + 0.2) / (0.7 + 10) against 2.71 / 10.1 for 3 nodes)
     out, *_ = share_budget(tokens, tree.buffers, values, [branch], [0.9], budget=7, latency=steep, overhead=10.0)
     assert out.numel() == 6
+
+
+def test_a_row_of_a_batch_is_charged_its_share_of_the_rows_proposals():
+    """Alone a proposal costs one row's measured seconds; beside 3 other rows, a quarter of what 4 rows' proposals
+    together were measured to take (their module passes run as one), and the heads' gate weighs that."""
+    from tokenmaxx.inference.budget import BudgetDrafter
+    from tokenmaxx.inference.costs import VerifyLatency
+
+    model = tiny_model("llama", seed=1)
+    own = random_heads(model).drafter(model)
+    drafter = BudgetDrafter(own, latency=VerifyLatency({0: {1: 0.01, 8: 0.02}}), propose_seconds=0.01,
+                            propose_rows={4: 0.016})
+    assert drafter.propose_cost == 0.01 and drafter.gate.cost == 0.01
+    drafter.share_forward(4)
+    assert drafter.propose_cost == pytest.approx(0.004) and drafter.gate.cost == pytest.approx(0.004)
+    unmeasured = BudgetDrafter(own, latency=VerifyLatency({0: {1: 0.01}}), propose_seconds=0.01)
+    unmeasured.share_forward(4)
+    assert unmeasured.propose_cost == pytest.approx(0.01)  # rows x one row's, shared by the rows

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _forbid_measuring(monkeypatch):
     for module, name in ((small_rows_module, "measure_small_rows"), (latency_module, "measure_latency"),
-                         (latency_module, "measure_propose")):
+                         (latency_module, "measure_propose"), (latency_module, "measure_propose_rows")):
         monkeypatch.setattr(module, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
 
 
@@ -51,6 +51,7 @@ def test_create_measures_the_costs_once_and_hands_them_to_the_method(monkeypatch
     gen = SpeculativeGenerator.create(model, heads, draft="heads")
     assert len(calls) == 1 and isinstance(gen.costs, Costs)
     assert gen.costs.latency is not None and gen.costs.propose_seconds > 0
+    assert set(gen.costs.propose_rows) == {4, 16} and min(gen.costs.propose_rows.values()) > 0
     assert gen.forward.small_rows == gen.costs.small_rows
     assert gen.describe().endswith("sized per round")
     _forbid_measuring(monkeypatch)  # a second generator reads every part from the cache
@@ -87,6 +88,21 @@ def test_bad_costs_are_one_clear_error():
         VerifyLatency({0: {0: 1.0}})
     with pytest.raises(ValueError, match="a small-rows plan maps row counts >= 2"):
         Costs(small_rows={1: "all"})
+    with pytest.raises(ValueError, match="propose_rows must map rows >= 2 to seconds >= 0"):
+        Costs(propose_seconds=0.01, propose_rows={1: 0.01})
+    with pytest.raises(ValueError, match="beside a propose_seconds for one row"):
+        Costs(propose_rows={4: 0.02})
+
+
+def test_a_batch_prices_its_proposals_at_what_rows_together_were_measured_to_cost():
+    """propose_time: one row's seconds; R rows between the measured counts (their passes are batched, so less than R
+    times one row's); R x one row's where rows together were not measured; nothing where proposing was not."""
+    costs = Costs(propose_seconds=0.01, propose_rows={4: 0.016, 16: 0.04})
+    assert costs.propose_time(1) == 0.01
+    assert costs.propose_time(4) == pytest.approx(0.016) and costs.propose_time(2) == pytest.approx(0.012)
+    assert costs.propose_time(10) == pytest.approx(0.028) and costs.propose_time(32) == pytest.approx(0.072)
+    assert Costs(propose_seconds=0.01).propose_time(8) == pytest.approx(0.08)
+    assert Costs().propose_time(8) == 0.0
 
 
 def test_verify_latency_blends_cache_lengths_and_interpolates_node_counts():
@@ -132,6 +148,7 @@ def test_the_first_measurement_is_announced_in_one_line_and_then_read_from_the_c
                                                                                    "head": 0.9, "body": 0.9}})
     monkeypatch.setattr(latency_module, "measure_latency", lambda model, sizes, **k: {n: 0.01 * n for n in sizes})
     monkeypatch.setattr(latency_module, "measure_propose", lambda model, drafter: 0.002)
+    monkeypatch.setattr(latency_module, "measure_propose_rows", lambda model, make, rows: 0.001 * rows)
     model = tiny_model("llama", seed=2)
     heads = random_mtp(model)
     gen = SpeculativeGenerator.create(model, heads, draft="hybrid")
@@ -139,9 +156,11 @@ def test_the_first_measurement_is_announced_in_one_line_and_then_read_from_the_c
     assert len(lines) == 1, lines
     [line] = lines
     for said in ("measuring this machine once for", "(float32, cpu: ", "transposed products", "verify latency",
-                 "proposing time", "backbone forwards", f"Cached in {tmp_path / 'calibration'}", "costs=None"):
+                 "proposing time", "4 and 16 rows together", "backbone forwards",
+                 f"Cached in {tmp_path / 'calibration'}", "costs=None"):
         assert said in line, (said, line)
     assert gen.costs.small_rows == {2: "all"} and gen.costs.propose_seconds == 0.002
+    assert gen.costs.propose_rows == {4: 0.004, 16: 0.016}
     SpeculativeGenerator.create(model, heads, draft="hybrid")  # everything cached: not a word
     assert "tokenmaxx: measuring" not in capsys.readouterr().err
     SpeculativeGenerator.create(model, random_mtp(model, seed=3), draft="hybrid")  # other heads: their time only

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from helpers import OracleMTP, assert_matches_greedy, greedy_reference, random_heads, random_mtp, tiny_model
+from helpers import OracleMTP, assert_matches_greedy, greedy_reference, random_eagle3, random_heads, random_mtp, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
 from tokenmaxx.heads import DynamicTreeConfig, Tree
@@ -121,6 +121,21 @@ def test_propose_cost_is_measured_once_per_heads_and_tree_settings(tmp_path, mon
     assert latency.cached_propose_cost(model, heads, twelve, cache_root=tmp_path) == 0.5 and timed.nodes == [12]
     assert latency.cached_propose_cost(model, random_mtp(model, seed=1), six, cache_root=tmp_path) == 0.5
     assert len(list(tmp_path.glob("propose-*.json"))) == 3
+
+
+def test_rows_proposing_together_are_timed_once_per_heads_and_cached(tmp_path, monkeypatch):
+    """Several rows' proposals run together (their module passes batched) are timed along the backbone's own
+    continuation for each of PROPOSE_ROWS, cached beside one row's time, and read back after."""
+    latency = latency_module
+    model = tiny_model("llama")
+    heads = random_eagle3(model)
+    monkeypatch.setattr(latency, "PROPOSE_ROWS", (2, 3))
+    seconds = latency.cached_propose_rows(model, heads, DynamicTreeConfig(nodes=6), cache_root=tmp_path)
+    assert set(seconds) == {2, 3} and all(0 < s < 5 for s in seconds.values())
+    [record] = tmp_path.glob("propose-rows-*.json")
+    assert json.loads(record.read_text())["propose_rows"] == {"2": seconds[2], "3": seconds[3]}
+    monkeypatch.setattr(latency, "measure_propose_rows", lambda *a, **k: pytest.fail("timed again"))
+    assert latency.cached_propose_rows(model, heads, DynamicTreeConfig(nodes=6), cache_root=tmp_path) == seconds
 
 
 def test_verify_latency_between_cache_lengths():

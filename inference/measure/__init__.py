@@ -5,7 +5,8 @@ a value (``costs.Costs``, ``forward.ForwardContext``). Each measurement is cache
 (``store``), so it runs once:
 
 - ``small_rows``: the tree sizes whose verifies are faster with the linear layers transposed (CPU BLAS);
-- ``latency``: verify seconds per node count (``costs.VerifyLatency``) and the heads' proposing seconds;
+- ``latency``: verify seconds per node count (``costs.VerifyLatency``) and the heads' proposing seconds (one row's,
+  and several rows' together);
 - ``autotune`` / ``tree_search``: ``tree="auto"``, the heads' tree settings with the best expected tokens/s.
 
 ``measure_costs`` makes the ``Costs`` that ``SpeculativeGenerator.create(..., costs="auto")`` hands the method.
@@ -21,7 +22,8 @@ from tokenmaxx.heads.machine import device_name
 
 from ..costs import Costs
 from .autotune import Calibration, is_auto, resolve_auto
-from .latency import LATENCY_SIZES, PREFIX_LENS, cached_latency, cached_propose_cost, latency_path, propose_path
+from .latency import (LATENCY_SIZES, PREFIX_LENS, PROPOSE_ROWS, cached_latency, cached_propose_cost,
+                      cached_propose_rows, latency_path, propose_path)
 from .small_rows import SMALL_ROW_SIZES, cached_small_rows, read_plan, small_rows_path
 
 
@@ -40,7 +42,8 @@ def measure_costs(model, heads=None, tree=None, draft_vocab: bool = True, small_
         return Costs(small_rows=plan)
     latency = cached_latency(model, cache_root, refresh, small_rows=plan)
     propose = cached_propose_cost(model, heads, tree, draft_vocab, cache_root, refresh)
-    return Costs(latency=latency, propose_seconds=propose, small_rows=plan)
+    together = cached_propose_rows(model, heads, tree, draft_vocab, cache_root, refresh)
+    return Costs(latency=latency, propose_seconds=propose, small_rows=plan, propose_rows=together)
 
 
 def announce_measuring(model, heads=None, tree=None, draft_vocab: bool = True, small_rows: dict | None = None,
@@ -67,6 +70,9 @@ def announce_measuring(model, heads=None, tree=None, draft_vocab: bool = True, s
         if refresh or not propose_path(model, heads, tree, draft_vocab, cache_root).is_file():
             parts.append("the heads' proposing time")
             forwards += 48 + 24
+        if refresh or not propose_path(model, heads, tree, draft_vocab, cache_root, rows=True).is_file():
+            parts.append(f"the proposing time of {' and '.join(map(str, PROPOSE_ROWS))} rows together")
+            forwards += sum(24 + rows + 1 for rows in PROPOSE_ROWS)
     if not parts:
         return None
     ident, _ = backbone_identity(model)

@@ -4,7 +4,8 @@ heads' proposing time: seconds of one draft.
 ``measure_latency`` times the verify, ``fit_latency`` smooths it into a curve that never decreases in n, and
 ``cached_latency`` measures curves at a few cache lengths (a ``costs.VerifyLatency``) once per backbone and machine.
 ``measure_propose`` times the heads' drafter and ``cached_propose_cost`` measures it once per heads, tree settings and
-machine. Both end up in a ``costs.Costs`` (``measure_costs``): the budget drafter sizes its trees from them and lets
+machine; ``measure_propose_rows`` / ``cached_propose_rows`` the same for several rows proposing together (a batch's
+round, ``drafting.propose_rows``). All end up in a ``costs.Costs`` (``measure_costs``): the budget drafter sizes its trees from them and lets
 heads that do not earn their proposing time sit rounds out; ``tree="auto"`` (``autotune.py``) chooses the heads'
 trees from the latency.
 """
@@ -21,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmaxx.heads import Outcome, Prefill, Tree
+from tokenmaxx.heads.drafting import propose_rows
 from tokenmaxx.heads.modeling import backbone_features
 
 from ..costs import VerifyLatency
@@ -174,6 +176,44 @@ def measure_propose(model, drafter, prompt_len: int = 128, positions: int = 24) 
     return statistics.median(times)
 
 
+PROPOSE_ROWS = (4, 16)  # batches whose proposals (run together) are timed beside one row's
+
+
+@torch.inference_mode()
+def measure_propose_rows(model, make_drafter, rows: int, prompt_len: int = 128, positions: int = 12) -> float:
+    """Median seconds of ``rows`` drafters' proposals run together (``drafting.propose_rows``: their module passes
+    batched) along the backbone's own continuation of a random prompt, as ``measure_propose`` times one; each row
+    starts ``rows`` positions further into it, so the rows' trees differ as a batch's do."""
+    weight = model.get_output_embeddings().weight
+    vocab, device = weight.shape[0], weight.device
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None:
+        prompt_len = max(1, min(prompt_len, context - 2 * positions - rows - 1))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    prompt = torch.randint(vocab, (1, prompt_len), generator=gen, device="cpu").to(device)
+    total = 2 * positions + rows
+    seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=total, min_new_tokens=total,
+                         do_sample=False)[0]  # [P + total]
+    drafters = [make_drafter() for _ in range(rows)]
+    hidden = backbone_features(model(seq[None], output_hidden_states=True).hidden_states,
+                               drafters[0].feature_layers)[0]
+    starts = [prompt_len + r for r in range(rows)]
+    for drafter, start in zip(drafters, starts):
+        drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))
+    times = []
+    for step in range(positions):
+        at = [start + step for start in starts]
+        t0 = clock(device)
+        drafts = propose_rows(drafters, [int(seq[t]) for t in at], [seq.numel() - 1 - t for t in at])
+        times.append(clock(device) - t0)
+        for drafter, draft, t in zip(drafters, drafts, at):
+            nxt = seq[t + 1: t + 2]
+            drafter.observe(Outcome(draft=draft, nodes=torch.zeros(1, dtype=torch.long, device=device),
+                                    tokens=nxt.tolist(), hidden=hidden[t: t + 1], emitted=nxt.tolist(), path=[0],
+                                    token_ids=nxt))
+    return statistics.median(times)
+
+
 def settings_key(tree) -> object:
     """The heads' tree settings as JSON-able data for a cache key (a Tree's paths, a dataclass's fields)."""
     if isinstance(tree, Tree):
@@ -183,11 +223,13 @@ def settings_key(tree) -> object:
     return tree if tree is None or isinstance(tree, (str, int, float)) else repr(tree)
 
 
-def propose_path(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None) -> Path:
-    """Where the proposing time of these heads, tree settings and draft vocabulary on this machine is cached."""
+def propose_path(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None,
+                 rows: bool = False) -> Path:
+    """Where the proposing time of these heads, tree settings and draft vocabulary on this machine is cached (``rows``:
+    that of several rows together)."""
     machine = machine_fingerprint(model)
     key = calibration_key(model, heads, {**machine, "propose": settings_key(tree), "draft_vocab": bool(draft_vocab)})
-    return cache_path(f"propose-{key}", cache_root)
+    return cache_path(f"propose-{'rows-' if rows else ''}{key}", cache_root)
 
 
 def cached_propose_cost(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None,
@@ -201,5 +243,20 @@ def cached_propose_cost(model, heads, tree=None, draft_vocab: bool = True, cache
         return float(json.loads(path.read_text())["propose_seconds"])
     seconds = measure_propose(model, heads.drafter(model, tree=tree, draft_vocab=draft_vocab))
     write_record(path, {"propose_seconds": seconds, "tree": settings_key(tree), "draft_vocab": bool(draft_vocab),
+                        "machine": machine})
+    return seconds
+
+
+def cached_propose_rows(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None,
+                        refresh: bool = False) -> dict[int, float]:
+    """Seconds of ``PROPOSE_ROWS`` rows' proposals run together (``measure_propose_rows``; ``Costs.propose_rows``),
+    measured once per heads, tree settings and machine and cached beside one row's."""
+    machine = machine_fingerprint(model)
+    path = propose_path(model, heads, tree, draft_vocab, cache_root, rows=True)
+    if path.is_file() and not refresh:
+        return {int(r): float(s) for r, s in json.loads(path.read_text())["propose_rows"].items()}
+    seconds = {rows: measure_propose_rows(model, lambda: heads.drafter(model, tree=tree, draft_vocab=draft_vocab),
+                                          rows) for rows in PROPOSE_ROWS}
+    write_record(path, {"propose_rows": seconds, "tree": settings_key(tree), "draft_vocab": bool(draft_vocab),
                         "machine": machine})
     return seconds
