@@ -58,7 +58,7 @@ class LoadGate:
     explore_every: int = 8
     max_interval: int = 64
     tau: float = 2.0  # decayed mean tokens a row per drafting round
-    nodes: float = 4.0  # decayed mean nodes a row per drafting round
+    nodes: float = 4.0  # decayed mean nodes a row per drafting round (the forward's: every row padded to the largest)
     _plain: int = 0  # plain rounds since the last drafting one
     _interval: int = 0  # plain rounds before the next exploration (0: explore_every)
 
@@ -77,7 +77,7 @@ class LoadGate:
         return False
 
     def update(self, tau: float, nodes: float) -> None:
-        """After a drafting round: its tokens a row and nodes a row."""
+        """After a drafting round: its tokens a row and the nodes it verified a row (the largest row's)."""
         self.tau = self.decay * self.tau + (1 - self.decay) * tau
         self.nodes = self.decay * self.nodes + (1 - self.decay) * nodes
 
@@ -188,8 +188,7 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
         live = _commit(cache, live, ends, common, results)
         stats.drafting_forwards += drafting
         if drafting and gate is not None:
-            gate.update(sum(len(a.path) for a in results) / len(results),
-                        sum(d.num_nodes for d in drafts) / len(drafts))
+            gate.update(sum(len(a.path) for a in results) / len(results), verified_logits.shape[1])
         for i, row in enumerate(rows):
             accepted, draft = results[i], drafts[i]
             emitted = _emitted(accepted.tokens, max_new_tokens[row] - len(new_tokens[row]), eos)
