@@ -164,6 +164,7 @@ def test_card_renders_raw_bench_with_mapped_labels_and_the_kinds_rows(tmp_path):
     assert card_methods(RAW, "mtp") == ["baseline", "prompt_lookup", "mtp", "mtp_hybrid", "mtp:dynamic:24", "lookup"]
     assert method_label("mtp:dynamic:24") == "MTP heads only, tree `dynamic:24`"
     assert method_label("mtp_hybrid") == "MTP heads + prompt lookup (hybrid)"
+    assert method_label("compiled:inductor") == "`generate` with a static cache through `torch.compile` (backend `inductor`)"
     assert method_label("my_experiment") == "my_experiment" and method_label("my:tree") == "my:tree"  # as is
     assert set(METHOD_LABELS) >= {"baseline", "prompt_lookup", "assisted", "lookup", "tokenmaxx", "hybrid", "medusa",
                                   "medusa_hybrid", "mtp", "mtp_hybrid"}  # every method scripts/bench.py writes

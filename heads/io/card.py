@@ -38,6 +38,7 @@ BENCH_STATS = ("tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical
 # Names not listed here are shown as they are.
 METHOD_LABELS = {
     "baseline": "plain `generate` (baseline)",
+    "compiled": "`generate` with a static cache through `torch.compile`",
     "prompt_lookup": "transformers prompt lookup",
     "assisted": "transformers assisted generation (draft model)",
     "lookup": "prompt lookup drafting only (no heads)",
@@ -289,8 +290,8 @@ def _base_method(name: str) -> str:
 
 
 def method_label(name: str, bench: dict | None = None) -> str:
-    """The label a card shows for the raw bench method ``name`` (``METHOD_LABELS``; a ``:<tree>`` suffix is named,
-    unknown names are kept as they are)."""
+    """The label a card shows for the raw bench method ``name`` (``METHOD_LABELS``; a ``:<tree>`` suffix is named, as
+    is ``compiled``'s ``:<backend>``; unknown names are kept as they are)."""
     base, _, tree = name.partition(":")
     if base not in METHOD_LABELS:
         return name
@@ -298,6 +299,8 @@ def method_label(name: str, bench: dict | None = None) -> str:
     best = _get(bench, "config.notes.prompt_lookup.best", str) if bench else None
     if base == "prompt_lookup" and best and best.startswith("prompt_lookup:"):
         label += f" ({best.split(':', 1)[1]} tokens)"  # the best --lookup_tokens setting, as the bench chose it
+    if base == "compiled" and tree:  # compiled:<backend>
+        return f"{label} (backend `{tree}`)"
     return f"{label}, tree `{tree}`" if tree else label
 
 
