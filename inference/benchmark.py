@@ -331,7 +331,8 @@ def plot(report: dict, path: str | Path) -> None:
 
 
 def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: list[int], max_new_tokens: int,
-                        repeats: int = 1, progress: bool = True, lookup_tokens: int = 10) -> dict:
+                        repeats: int = 1, progress: bool = True, lookup_tokens: int = 10,
+                        deadline: float | None = None) -> dict:
     """Batched generation against transformers' batched greedy ``generate`` on the same left-padded rows, one
     interleaved run: for each repeat and batch size B, every prompt in batches of B (the prompts in order, cycled to
     fill the last batch), both methods on each batch in turn (order alternating), and at B = 1 transformers' prompt
@@ -340,7 +341,9 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
 
     Per size: total new tokens / s of each, the speedup, per-token latency (seconds per new token of a row: wall time
     over the mean row length), our prefill's share of our time, the mean tree a row verified per round (1:
-    speculation off), the mean tau, and the share of rows whose tokens equal transformers' batched rows."""
+    speculation off), the mean tau, the share of rows whose tokens equal transformers' batched rows, and the rows
+    that ran. ``deadline`` (a ``time.perf_counter()`` value): no batch starts after it, and a size none of whose batches
+    ran is left out."""
     from tqdm.auto import tqdm
 
     device = model.get_output_embeddings().weight.device
@@ -378,6 +381,8 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
         lookup = {"seconds": 0.0, "tokens": 0}
         steps = [(r, b, rows) for r in range(repeats) for b in batch_sizes for rows in batches_of(b)]
         for i, (repeat, size, rows) in enumerate(tqdm(steps, desc="batch bench", disable=not progress)):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             entry = sizes[size]
             first, second = ("hf", "ours") if i % 2 == 0 else ("ours", "hf")
             for which in (first, second):
@@ -406,6 +411,8 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                 lookup["tokens"] += len(_until_eos(out[0, len(rows[0]):].tolist(), model.generation_config))
     report = {}
     for size, e in sizes.items():
+        if not e["seconds"]:
+            continue  # (past the deadline)
         tps, hf_tps = e["tokens"] / e["seconds"], e["hf_tokens"] / e["hf_seconds"]
         report[size] = {"tokens_per_s": round(tps, 2), "hf_tokens_per_s": round(hf_tps, 2),
                         "speedup": round(tps / hf_tps, 3),
@@ -415,7 +422,8 @@ def run_batch_benchmark(model, generator, prompts: list[Prompt], batch_sizes: li
                         "nodes_per_row": round(e["nodes"] / max(e["row_rounds"], 1), 2),
                         "drafting_rounds": round(e["drafting"] / max(e["forwards"], 1), 3),
                         "tau": round(sum(e["tau"]) / len(e["tau"]), 3),
-                        "identical": round(sum(e["identical"]) / len(e["identical"]), 3)}
+                        "identical": round(sum(e["identical"]) / len(e["identical"]), 3),
+                        "rows": len(e["identical"])}
         if size == 1 and lookup["seconds"]:
             report[size]["hf_prompt_lookup_tokens_per_s"] = round(lookup["tokens"] / lookup["seconds"], 2)
     return report

@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
     if args.batch_sizes is not None:
-        return batch_main(args, model, tokenizer, prompts)
+        return batch_main(args, model, tokenizer, prompts, started)
     if args.time_budget is not None:  # a run cut short covers every category
         prompts = interleave_categories(prompts)
     longest = max(p.input_ids.shape[1] for p in prompts) + args.max_new_tokens
@@ -298,17 +298,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def batch_main(args: BenchArgs, model, tokenizer, prompts) -> int:
-    """--batch_sizes: batched generation against transformers' batched generate (``run_batch_benchmark``)."""
+def batch_main(args: BenchArgs, model, tokenizer, prompts, started: float) -> int:
+    """--batch_sizes: batched generation against transformers' batched generate (``run_batch_benchmark``); with
+    --time_budget no batch starts after it (the sizes that did not run are left out, and the config says so)."""
     heads = resolve_heads(args.heads, model, args.backbone) if args.draft != "lookup" else None
     gen = SpeculativeGenerator.create(model, heads, tokenizer=tokenizer, draft=args.draft)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
+    deadline = started + args.time_budget if args.time_budget is not None else None
+    batch = run_batch_benchmark(model, gen, interleave_categories(prompts), sizes, args.max_new_tokens,
+                                repeats=args.repeats, deadline=deadline)
+    if not batch:
+        raise ValueError(f"--time_budget {args.time_budget:g} s ended the run before its first batch (loading, "
+                         "measuring and the warm-up took it): give it more time")
     report = {"config": {"backbone": args.backbone, "dtype": args.dtype, "draft": args.draft,
                          "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "repeats": args.repeats,
-                         "drafter": gen.describe()},
+                         "drafter": gen.describe(), "batch_sizes": sizes},
               "machine": machine_info(args.threads, args.dtype, model.get_output_embeddings().weight.device),
-              "batch": run_batch_benchmark(model, gen, interleave_categories(prompts), sizes, args.max_new_tokens,
-                                           repeats=args.repeats)}
+              "batch": batch}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = batch_table(report["batch"])

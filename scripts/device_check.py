@@ -8,7 +8,9 @@ can be made again from a device call's files): ``steps.tsv`` (step, exit status,
 status 124 or 137 with a limit: killed at it; limit 0: not started, the check's deadline had passed), ``env.txt``,
 ``fast_tier.log`` (pytest), ``identity_fp32.json`` (a bench in fp32: greedy identity of every mode),
 ``latency.json`` and ``bench.json`` (bf16 on a GPU, the CPU's dtype in the dry run; its identical rates are the match
-rates of that dtype). A bench that stopped at its --time_budget reports the prompts it finished, and says so.
+rates of that dtype), ``twin.json`` and ``batch.json`` (``bench.py --batch_sizes``). A bench that stopped at its
+--time_budget reports the prompts it finished, and says so; the batch bench, the sizes it ran. ``fast_tier.log`` is not
+copied to OUT (its output is in ``gpu_check.log``): a report made again from OUT says it has no log.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone
 from tokenmaxx.heads.machine import device_name
-from tokenmaxx.inference.benchmark import markdown_table
+from tokenmaxx.inference.benchmark import batch_table, markdown_table
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 BF16_NOTE = ("bf16: a tree forward of N tokens and a one-token forward round differently, so near-tied logits can "
@@ -292,6 +294,15 @@ def report_main(args: argparse.Namespace) -> int:
     else:
         lines += ["- no result"]
     lines += ["", "## The sizes users run (random-weight twins)", ""] + twin_lines(twin)
+    batch = _read_json(work / "batch.json")
+    lines += ["", "## Batches (hybrid against transformers' batched `generate`)", ""]
+    if batch is not None:
+        config = batch["config"]
+        lines += [f"{config['prompts']} prompts at every size, {config['max_new_tokens']} new tokens, "
+                  f"{config['dtype']}; sizes planned {config.get('batch_sizes')}, run {list(batch['batch'])}", "",
+                  batch_table(batch["batch"])]
+    else:
+        lines += ["- no result (the step failed or ran out of time)"]
     failed = [name for name, status, *_ in steps if status != 0]
     verdict = "PASS" if identical and not failed and steps else "FAIL"
     why = ([f"steps failed: {', '.join(failed)}"] if failed else []) + ([] if identical else ["fp32 identity"])

@@ -16,7 +16,7 @@
 #                 says how many ran): eager `generate`, compiled static-cache `generate`, transformers' prompt
 #                 lookup, our lookup, the default (EAGLE-3) heads with their own tree and tree="auto" (calibrated
 #                 on 4 prompts of 64 tokens), the hybrid with its own tree and "auto", the Medusa hybrid; tokens/s,
-#                 speedup over both baselines, tau; the compiled baseline compiles in the warm-up (~1 min)         190 s
+#                 speedup over both baselines, tau; the compiled baseline compiles in the warm-up (~1 min)         150 s
 #   4. fast_tier  the quick tier of the decoding tests (tiny random models built from a config; 145 tests, 30 s on a
 #                 CPU) with every tensor on the device (TOKENMAXX_TEST_DEVICE): greedy identity, tree-verify logits
 #                 vs per-path forwards on the device's SDPA kernels, per-round sampling distributions, MTP, lookup;
@@ -27,8 +27,10 @@
 #   7. twin       the sizes users run: random-weight Llama-3.1-8B and Qwen2.5-7B shapes made on the GPU in bf16
 #                 (nothing travels), random EAGLE-3 heads: decode ms per token, the verify curve at caches of 256
 #                 and 1,024, and an oracle drafter (the backbone's own continuation, every node accepted) at
-#                 depths 3, 5 and 7: speedup over eager decoding against tau                                        70 s
-#   8. report     OUT/report.md; exit 1 if a step failed or fp32 identity broke
+#                 depths 3, 5 and 7: speedup over eager decoding against tau                                        60 s
+#   8. batch      batched generation (hybrid) against transformers' batched `generate` at 8, 16 and 64 rows of
+#                 the 12 prompts of --limit 2, bf16, one repeat, no batch started past its time budget              50 s
+#   9. report     OUT/report.md; exit 1 if a step failed or fp32 identity broke
 # The budgets sum to 560 s; a step's budget is cut to what is left before GPU_CHECK_DEADLINE (565 s after the start),
 # and the call's timeout_s is 600 (the most a call may run). Device time: the start (1-3 min) + two receiving calls (seconds each) + this call
 # (at most 10 min) + give_back at once: about 13.5 minutes at worst, of 15.
@@ -233,7 +235,9 @@ if [ $DRY = 1 ]; then
     FAST=(tests/test_decoding.py tests/test_loop.py -x)
     ID_ARGS=(--limit 1 --max_new_tokens 12 --warmup 1) SIZES=1,2,4,8 REPEATS=2
     BENCH_ARGS=(--limit 1 --max_new_tokens 16 --warmup 1)
-    declare -A BUDGET=([env]=60 [bench]=1500 [fast_tier]=600 [identity_fp32]=600 [latency]=600 [twin]=600)  # a slow CPU
+    declare -A BUDGET=([env]=60 [bench]=1500 [fast_tier]=600 [identity_fp32]=600 [latency]=600 [twin]=600
+                       [batch]=600)  # a slow CPU
+    BATCH_ARGS=(--batch_sizes 1,2 --limit 1 --max_new_tokens 16 --repeats 1)
     TWIN_ARGS=(--tiny --sizes 1,2,4,8 --depths 3,5 --prompt_len 32 --new_tokens 16 --repeats 2)
     # the compiled baseline traced without code generation (inductor would compile for minutes on a CPU); tree="auto"
     # calibrated on toy text: the same steps, minutes sooner
@@ -246,7 +250,10 @@ else
           tests/test_batch.py)
     ID_ARGS=(--limit 1 --max_new_tokens 64 --warmup 1) SIZES=1,2,4,8,16,32,64,96,128 REPEATS=10
     BENCH_ARGS=(--limit 4 --max_new_tokens 128 --warmup 1)  # 24 dev prompts where the budget allows
-    declare -A BUDGET=([setup]=80 [env]=20 [bench]=190 [fast_tier]=110 [identity_fp32]=70 [latency]=20 [twin]=70)  # 560 s
+    declare -A BUDGET=([setup]=80 [env]=20 [bench]=150 [fast_tier]=110 [identity_fp32]=70 [latency]=20 [twin]=60
+                       [batch]=50)  # 560 s
+    # issue 48's GPU sizes: 8 (its bar), 16 and 64 rows of the 12 prompts of --limit 2, one repeat
+    BATCH_ARGS=(--batch_sizes 8,16,64 --limit 2 --max_new_tokens 128 --repeats 1)
     TWIN_ARGS=()
     # tree="auto" calibrated on half its text (4 of 8 prompts, 64 tokens): ~4x sooner, more prompts timed in the budget
     COMPILED=compiled AUTO=auto:prompts=4,tokens=64
@@ -277,7 +284,8 @@ step() {
     printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - t0))" "$limit" >>"$WORK/steps.tsv"
     echo "==== $name: exit $status after $((SECONDS - t0)) s (budget $limit s)"
     # at most 8 files come back from a device call: these, the report and gpu_check.log
-    for f in steps.tsv fast_tier.log identity_fp32.json latency.json bench.json twin.json; do
+    # (fast_tier.log stays in WORK for the report: its output is in gpu_check.log too)
+    for f in steps.tsv identity_fp32.json latency.json bench.json twin.json batch.json; do
         [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
     done
 }
@@ -309,6 +317,9 @@ step latency $PY scripts/device_check.py latency --device "$DEV" --dtype $DTYPE 
     --repeats $REPEATS --threads $THREADS --out "$WORK/latency.json"
 step twin $PY scripts/device_check.py twin --device "$DEV" --dtype $DTYPE --threads $THREADS --out "$WORK/twin.json" \
     "${TWIN_ARGS[@]}"
+# batched generation against transformers' batched generate (stops starting batches at its time budget)
+step batch $PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --draft hybrid --dtype $DTYPE \
+    --out "$WORK/batch" --time_budget "$(allowed batch 10)" "${BATCH_ARGS[@]}"
 $PY scripts/device_check.py report "$WORK" "$OUT"
 status=$?
 rm -rf "$WORK"

@@ -152,7 +152,8 @@ def test_auto_budget_calibrates_eagle3_heads_on_their_feature_layers(tmp_path, m
     assert seen and set(seen) == {3 * model.config.hidden_size}
     assert gen.tree_settings.nodes in autotune.DYNAMIC_BUDGETS
     cached = sorted(f.name.rsplit("-", 1)[0] for f in (tmp_path / "calibration").glob("*.json") if "-" in f.name)
-    # what heads-only trees are sized by: verify latency, proposing time; and how verifies multiply a few rows
-    assert cached == ["latency", "propose", "small-rows"]
-    assert len(list((tmp_path / "calibration").glob("*.json"))) == 4  # and the tree='auto' record
+    # what heads-only trees are sized by: verify latency, proposing time (one row's, several rows' together); and how
+    # verifies multiply a few rows
+    assert cached == ["latency", "propose", "propose-rows", "small-rows"]
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 5  # and the tree='auto' record
     assert_matches_greedy(gen, model, 4, seed=8)

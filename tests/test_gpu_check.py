@@ -64,10 +64,15 @@ def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = (out / "report.md").read_text()
     assert "## Verdict: PASS" in report
-    for name in ("env", "fast_tier", "identity_fp32", "latency", "bench", "twin"):
+    for name in ("env", "fast_tier", "identity_fp32", "latency", "bench", "twin", "batch"):
         assert f"| {name} | 0 |" in report
     steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
-    assert steps == ["env", "bench", "fast_tier", "identity_fp32", "latency", "twin"]  # the bench first
+    assert steps == ["env", "bench", "fast_tier", "identity_fp32", "latency", "twin", "batch"]  # the bench first
+    batch = json.loads((out / "batch.json").read_text())
+    prompts = batch["config"]["prompts"]  # every prompt at every size (the CPU's dtype: identity is not asserted)
+    assert set(batch["batch"]) == {"1", "2"} and [r["rows"] for r in batch["batch"].values()] == [
+        prompts, 2 * -(-prompts // 2)] and all(r["tokens_per_s"] > 0 for r in batch["batch"].values())
+    assert "## Batches" in report and "| 2 |" in report
     twin = json.loads((out / "twin.json").read_text())["twins"]
     assert set(twin) == {"llama-3.1-8b", "qwen2.5-7b"} and all(
         t["oracle"]["5"]["tau"] > 4.0 for t in twin.values())  # the oracle's chains were accepted
@@ -180,11 +185,11 @@ def test_the_steps_fit_the_device_time():
     budgets = re.findall(r"declare -A BUDGET=\(([^)]*)\)", script)[-1]  # the GPU's, after the dry run's
     seconds = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", budgets)}
     assert sum(seconds.values()) <= 560 and set(seconds) == {"setup", "env", "bench", "fast_tier", "identity_fp32",
-                                                             "latency", "twin"}
+                                                             "latency", "twin", "batch"}
     deadline = int(re.search(r"DEADLINE=\$\{GPU_CHECK_DEADLINE:-(\d+)\}", script.split("else\n    DEV=")[1]).group(1))
     assert deadline + 10 + 20 <= 600  # timeout's kill grace, the report
     order = re.findall(r"^\s*step (\w+) ", script, flags=re.MULTILINE)
-    assert order == ["setup", "env", "bench", "fast_tier", "identity_fp32", "latency", "twin"]
+    assert order == ["setup", "env", "bench", "fast_tier", "identity_fp32", "latency", "twin", "batch"]
 
 
 def test_a_check_past_its_deadline_starts_no_step_and_the_report_says_so(tmp_path):
