@@ -15,6 +15,10 @@ accepted lengths since the last crop, which a crop to max L_b removes for the lo
 A row that finishes (EOS, its ``max_new_tokens``) leaves the batch: its cache rows are dropped, so later rounds
 neither verify nor attend for it.
 
+The prefill runs in groups of rows of similar prompt length where the measured latency says padding costs time
+(``prefill_groups``), assembled into the one left-padded cache. The rows' proposals run in lockstep
+(``drafting.propose_rows``): each tree level of every row's draft is one module pass for the batch.
+
 Letters: B rows, N tree nodes (common, padded), C cache entries, V vocabulary, F features the drafter reads.
 """
 
@@ -44,8 +48,8 @@ class LoadGate:
 
     A drafting round of B rows verifies about ``nodes`` nodes a row and runs the rows' proposals (together,
     ``drafting.propose_rows``): it yields B x tau tokens in verify(B x nodes) + propose(B) seconds; a plain round
-    yields B tokens in verify(B). Drafting
-    goes on while it is the faster of the two by these running means (decayed, from the batch's drafting rounds; an
+    yields B tokens in verify(B). Drafting goes on while it is the faster of the two by these running means (decayed,
+    from the batch's drafting rounds; an
     optimistic start drafts the first rounds); otherwise the round is plain batched decoding, except one that drafts
     to keep the means current: ``explore_every`` plain rounds after drafting last won, then twice as many after each
     exploration that did not win it back, up to ``max_interval`` (a batch too large for drafting to pay pays for an

@@ -118,6 +118,7 @@ def twin_main(args: argparse.Namespace) -> int:
         shape = {**shape, **TINY_TWIN} if args.tiny else shape
         config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
         started = time.perf_counter()
+        torch.manual_seed(0)  # the same random weights every run
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # made in the target dtype, on the device: nothing travels
         try:

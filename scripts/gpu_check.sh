@@ -238,7 +238,9 @@ if [ $DRY = 1 ]; then
     declare -A BUDGET=([env]=60 [bench]=1500 [fast_tier]=600 [identity_fp32]=600 [latency]=600 [twin]=600
                        [batch]=600)  # a slow CPU
     BATCH_ARGS=(--batch_sizes 1,2 --limit 1 --max_new_tokens 16 --repeats 1)
-    TWIN_ARGS=(--tiny --sizes 1,2,4,8 --depths 3,5 --prompt_len 32 --new_tokens 16 --repeats 2)
+    # the twins in fp32: a toy random model's near-flat logits tie in bf16, and a flipped argmax cuts the oracle's
+    # chains (the dry run checks the oracle's code, not bf16 rounding)
+    TWIN_ARGS=(--tiny --sizes 1,2,4,8 --depths 3,5 --prompt_len 32 --new_tokens 16 --repeats 2 --dtype float32)
     # the compiled baseline traced without code generation (inductor would compile for minutes on a CPU); tree="auto"
     # calibrated on toy text: the same steps, minutes sooner
     COMPILED=compiled:eager AUTO=auto:prompts=2,tokens=16

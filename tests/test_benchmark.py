@@ -171,3 +171,7 @@ def test_the_batch_bench_runs_every_prompt_at_every_size_and_records_what_it_cho
         assert 0 < report[size]["prefill_share"] < 1
     assert "hf_prompt_lookup_tokens_per_s" in report[1]
     assert batch_table(report).count("\n") == 3  # a header, its rule and one line a size
+    assert report[1]["rows"] == 3 and report[2]["rows"] == 4
+    calls.clear()  # past its deadline: the warm-up only, and no size to report
+    assert run_batch_benchmark(model, gen, prompts, [1, 2], max_new_tokens=6, progress=False,
+                               deadline=time.perf_counter() - 1) == {} and calls == [[4]]

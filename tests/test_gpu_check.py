@@ -75,7 +75,7 @@ def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
     assert "## Batches" in report and "| 2 |" in report
     twin = json.loads((out / "twin.json").read_text())["twins"]
     assert set(twin) == {"llama-3.1-8b", "qwen2.5-7b"} and all(
-        t["oracle"]["5"]["tau"] > 4.0 for t in twin.values())  # the oracle's chains were accepted
+        t["oracle"]["5"]["tau"] > 4.0 for t in twin.values()), twin  # the oracle's chains were accepted
     identity = json.loads((out / "identity_fp32.json").read_text())["methods"]
     assert {"tokenmaxx", "hybrid", "medusa", "medusa_hybrid", "lookup"} <= set(identity)
     assert all(m["overall"]["identical_rate"] == 1.0 for m in identity.values())
