@@ -194,11 +194,11 @@ class SpeculativeGenerator:
         loaded = load_heads(heads, revision=revision) if heads is not None else None
         return cls.create(model, loaded, tokenizer=tokenizer, tree=tree, **kwargs)
 
-    def make_drafter(self):
-        """A fresh drafter for one generation."""
+    def make_drafter(self, capture: bool | None = None):
+        """A fresh drafter for one generation (``capture``: its heads' passes compiled; None: as the generator's)."""
         return make_drafter(self.draft, self.model, self.heads, DraftSettings(
             tree=self.tree_settings, lookup=self.lookup, gate=self.gate, draft_vocab=self.draft_vocab,
-            costs=self.costs, capture=self.capture))
+            costs=self.costs, capture=self.capture if capture is None else capture))
 
     def describe(self) -> str:
         """What drafts, e.g. "hybrid drafting: dynamic tree, 8 nodes + prompt lookup"."""
@@ -302,8 +302,11 @@ class SpeculativeGenerator:
         # heads, whose per-row masks of several rows took SDPA's slow path on a CPU (docs/benchmarks.md, "Batches")
         forward = dataclasses.replace(self.forward, cache="dynamic", capture=False,
                                       attention={} if len(rows) > 1 else self.forward.attention)
-        tokens, stats = batched_decode(self.model, [self.make_drafter() for _ in rows], input_ids, mask, max_new,
-                                       accept, choose_root, eos_ids(config), forward=forward, costs=self.costs)
+        # the rows' drafters uncaptured too: their module passes run together (``drafting.propose_rows``), at shapes
+        # a captured pass would not have
+        drafters = [self.make_drafter(capture=False) for _ in rows]
+        tokens, stats = batched_decode(self.model, drafters, input_ids, mask, max_new, accept, choose_root,
+                                       eos_ids(config), forward=forward, costs=self.costs)
         outputs = []
         for ids, new, row_stats in zip(rows, tokens, stats.rows):
             text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -293,3 +293,18 @@ def test_a_greedy_batch_round_reads_once():
     assert len(rounds) >= 5 and max(r for r, _ in rounds) == 1, rounds
     for i, p in enumerate(prompts):
         assert tokens[i] == greedy_reference(model, p[None], 24)[0, len(p):].tolist()
+
+
+def test_a_batch_drafts_uncaptured_whatever_the_generator_captures():
+    """A generator that captures its rounds (static cache, compiled passes: an accelerator's default) still drafts a
+    batch's rows uncaptured, so their module passes run together (a captured pass has fixed shapes)."""
+    model = tiny_model("llama", seed=2)
+    model.generation_config.eos_token_id = None
+    gen = SpeculativeGenerator(model, random_eagle3(model), draft="heads", cache="static", capture=True, costs=None)
+    made, make = [], gen.make_drafter
+    gen.make_drafter = lambda capture=None: made.append(capture) or make(capture=capture)
+    prompts = [p[0].tolist() for p, _ in random_prompts(2, model.config.vocab_size, seed=3)]
+    out = gen.generate(prompts, max_new_tokens=6)
+    assert made == [False, False] and make().capture and not make(capture=False).capture
+    for i, row in enumerate(out.rows):
+        assert row.sequences.tolist() == [_alone(model, prompts[i], 6)]
