@@ -5,7 +5,7 @@ likely its path is accepted); the backbone verifies it; the drafter then observe
 their own drafters (``DraftHeads.drafter``), so these plain records live beside the heads; the protocol, the lookup
 drafter and the budget drafter that sizes the heads' trees (with or without lookup branches) are in
 ``tokenmaxx.inference``. A proposal can also run as steps (``proposal_steps``): a generator yielding the draft-module
-passes it needs, so a batch computes the passes of all its rows in one call (``sequential.run_passes``).
+passes it needs, so a batch computes the passes of all its rows in one call (``run_passes``).
 
 Letters: N tree nodes, P prompt tokens, H hidden size, m accepted candidates.
 """
@@ -13,7 +13,7 @@ Letters: N tree nodes, P prompt tokens, H hidden size, m accepted candidates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -72,7 +72,7 @@ class Outcome:
 class Pass:
     """One draft-module pass a proposal asks for (``proposal_steps``): ``run()`` computes it alone; passes of several
     rows' proposals whose ``batch_key`` is the same (not None) can be computed together in one batched call
-    (``sequential.run_passes``)."""
+    (``run_passes``; ``sequential.ModulePass`` is one)."""
 
     batch_key = None
 
@@ -113,19 +113,24 @@ def proposal_steps(drafter, root: int, room: int) -> Generator[Pass, torch.Tenso
     return (yield from steps(root, room))
 
 
-def run_alone(steps: Generator[Pass, torch.Tensor, Draft]):
-    """Drive ``steps`` (a generator of ``Pass``) to its result, computing each pass alone."""
+def drive(steps: Generator, answer: Callable):
+    """Run the generator ``steps`` to its result, sending each value it yields back through ``answer``."""
     try:
         request = next(steps)
         while True:
-            request = steps.send(request.run())
+            request = steps.send(answer(request))
     except StopIteration as stop:
         return stop.value
 
 
+def run_alone(steps: Generator[Pass, torch.Tensor, Draft]):
+    """Drive ``steps`` (a generator of ``Pass``) to its result, computing each pass alone."""
+    return drive(steps, lambda request: request.run())
+
+
 def propose_rows(drafters: Sequence, roots: Sequence[int], rooms: Sequence[int]) -> list[Draft]:
-    """Every row's ``propose(root, room)``, run as steps (``drafting.proposal_steps``) in lockstep: each time every
-    row still drafting waits on a module pass, the passes are computed together (``drafting.run_passes``: one module
+    """Every row's ``propose(root, room)``, run as steps (``proposal_steps``) in lockstep: each time every row still
+    drafting waits on a module pass, the passes are computed together (``run_passes``: one module
     call for the rows of one heads module, e.g. one EAGLE-3 pass a tree level for the whole batch)."""
     steps = [proposal_steps(d, root, room) for d, root, room in zip(drafters, roots, rooms)]
     drafts: list[Draft | None] = [None] * len(steps)

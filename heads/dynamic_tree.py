@@ -31,6 +31,7 @@ from typing import Callable, Generator
 
 import torch
 
+from .drafting import drive
 from .tree import TreeBuffers, device_buffers
 
 MIN_MASS = 0.5  # default min_mass, chosen on inference.measure.autotune.CALIBRATION_PROMPTS (smollm2-135m/RECIPE.md)
@@ -116,13 +117,7 @@ def grow_tree(root: torch.Tensor | int, root_logprobs: torch.Tensor,
               token_ids: torch.Tensor | None = None, min_mass: float = 0.0, stop_early: bool = True) -> DraftTree:
     """``tree_growth`` with each level's frontier expanded by ``expand(frontier)`` (its children's log-probs
     [F, V]) as it comes."""
-    growth = tree_growth(root, root_logprobs, topk, depth, nodes, token_ids, min_mass, stop_early)
-    try:
-        frontier = next(growth)
-        while True:
-            frontier = growth.send(expand(frontier))
-    except StopIteration as stop:
-        return stop.value
+    return drive(tree_growth(root, root_logprobs, topk, depth, nodes, token_ids, min_mass, stop_early), expand)
 
 
 def tree_growth(root: torch.Tensor | int, root_logprobs: torch.Tensor, topk: int, depth: int, nodes: int,
@@ -130,7 +125,7 @@ def tree_growth(root: torch.Tensor | int, root_logprobs: torch.Tensor, topk: int
                 stop_early: bool = True) -> Generator[Frontier, torch.Tensor, DraftTree]:
     """Grow a draft tree (see the module docstring) with tensors on ``root_logprobs``' device: a generator that yields
     each level's frontier and is sent its children's log-probs [F, V] (so the module passes of several trees can be
-    run together: ``sequential.run_passes``); it returns the tree.
+    run together: ``drafting.run_passes``); it returns the tree.
 
     root: the root token ([1] long tensor on that device, or an int). root_logprobs [V]: draft log-probs of the root's
     children. ``token_ids`` [V]: the token

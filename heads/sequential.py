@@ -396,8 +396,9 @@ class ModulePass(Pass):
         mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
         cache = DynamicCache()
         for index, layers in enumerate(zip(*(p.drafter.cache.layers for p in passes))):
-            keys = layers[0].keys.new_zeros(rows, *layers[0].keys.shape[1:2], width, layers[0].keys.shape[-1])
-            values = layers[0].values.new_zeros(rows, *layers[0].values.shape[1:2], width, layers[0].values.shape[-1])
+            _, heads_kv, _, key_dim = layers[0].keys.shape
+            keys = layers[0].keys.new_zeros(rows, heads_kv, width, key_dim)
+            values = layers[0].values.new_zeros(rows, heads_kv, width, layers[0].values.shape[-1])
             for r, (layer, c) in enumerate(zip(layers, kept)):
                 keys[r, :, :c], values[r, :, :c] = layer.keys[0, :, :c], layer.values[0, :, :c]
             cache.update(keys, values, index)

@@ -49,15 +49,15 @@ class LoadGate:
     A drafting round of B rows verifies about ``nodes`` nodes a row and runs the rows' proposals (together,
     ``drafting.propose_rows``): it yields B x tau tokens in verify(B x nodes) + propose(B) seconds; a plain round
     yields B tokens in verify(B). Drafting goes on while it is the faster of the two by these running means (decayed,
-    from the batch's drafting rounds; an
-    optimistic start drafts the first rounds); otherwise the round is plain batched decoding, except one that drafts
-    to keep the means current: ``explore_every`` plain rounds after drafting last won, then twice as many after each
-    exploration that did not win it back, up to ``max_interval`` (a batch too large for drafting to pay pays for an
-    exploration ever more rarely). The time of a round comes from the latency table, never a clock, so a seeded
-    generation repeats itself."""
+    from the batch's drafting rounds; an optimistic start drafts the first rounds); otherwise the round is plain
+    batched decoding, except one that drafts to keep the means current: ``explore_every`` plain rounds after drafting
+    last won, then twice as many after each exploration that did not win it back, up to ``max_interval`` (a batch too
+    large for drafting to pay pays for an exploration ever more rarely). The time of a round comes from the latency
+    table, never a clock, so a seeded generation repeats itself."""
 
     latency: VerifyLatency
-    propose: Callable[[int], float] = lambda rows: 0.0  # seconds of a round's proposals by rows (``Costs.propose_time``)
+    # seconds of a round's proposals by rows (``Costs.propose_time``)
+    propose: Callable[[int], float] = lambda rows: 0.0
     decay: float = 0.8
     explore_every: int = 8
     max_interval: int = 64

@@ -289,8 +289,8 @@ class BudgetDrafter:
     the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
     ``propose_seconds``: seconds one proposal of the heads takes on this machine; with ``latency`` it sizes the trees
     of the rounds the heads run and sets the gate's bar (None: neither); ``propose_rows``: several rows' proposals
-    together (``Costs.propose_rows``), which a row of a batch is charged its share of. Without lookup, a round whose heads sit out
-    verifies the root alone (a plain decode step).
+    together (``Costs.propose_rows``), which a row of a batch is charged its share of. Without lookup, a round whose
+    heads sit out verifies the root alone (a plain decode step).
     """
 
     def __init__(self, heads_drafter, lookup: LookupConfig | None = None, gate: GateConfig | None = None,

@@ -5,9 +5,9 @@ heads' proposing time: seconds of one draft.
 ``cached_latency`` measures curves at a few cache lengths (a ``costs.VerifyLatency``) once per backbone and machine.
 ``measure_propose`` times the heads' drafter and ``cached_propose_cost`` measures it once per heads, tree settings and
 machine; ``measure_propose_rows`` / ``cached_propose_rows`` the same for several rows proposing together (a batch's
-round, ``drafting.propose_rows``). All end up in a ``costs.Costs`` (``measure_costs``): the budget drafter sizes its trees from them and lets
-heads that do not earn their proposing time sit rounds out; ``tree="auto"`` (``autotune.py``) chooses the heads'
-trees from the latency.
+round, ``drafting.propose_rows``). All end up in a ``costs.Costs`` (``measure_costs``): the budget drafter sizes its
+trees from them and lets heads that do not earn their proposing time sit rounds out; ``tree="auto"``
+(``autotune.py``) chooses the heads' trees from the latency.
 """
 
 from __future__ import annotations
