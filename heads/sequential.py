@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 from .attention import UNROLLED, shared_kv_kwargs
-from .capture import captured
+from .capture import bucket, captured
 from .draft_vocab import DraftVocab
 from .drafting import HEADS, Draft, Outcome, Pass, Prefill, run_alone
 from .machine import reads_are_free
@@ -37,6 +37,7 @@ from .modeling import DraftHeads
 
 
 MODULE_CACHE = 2048  # entries a captured drafter's module cache starts with (doubled when a generation needs more)
+MODULE_BUCKETS = (16, 64)  # query counts a captured module pass is padded to (past the last, its multiples)
 
 
 class SequentialHeads(DraftHeads):
@@ -208,26 +209,46 @@ class SequentialDrafter:
 
     def _new_cache(self, size: int):
         """An empty module cache: grown per pass (``DynamicCache``), or preallocated for ``size`` entries when the
-        passes are captured (``StaticCache``: fixed addresses and mask widths)."""
-        return StaticCache(config=self.heads.layer_config, max_cache_len=size) if self.capture else DynamicCache()
+        passes are captured (``StaticCache``: fixed addresses and mask widths; its layers allocated now, so that the
+        first captured pass sees the cache every later pass sees, and compiles no graph of its own)."""
+        if not self.capture:
+            return DynamicCache()
+        config = self.heads.layer_config
+        cache = StaticCache(config=config, max_cache_len=size)
+        heads = config.num_attention_heads
+        cache.early_initialization(1, getattr(config, "num_key_value_heads", None) or heads,
+                                   getattr(config, "head_dim", None) or config.hidden_size // heads,
+                                   self.heads.dtype, self.device)
+        return cache
 
     def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
         """Module pass for n queries, written to the cache after its first C + E entries. prev [n, H], tokens [n],
-        positions [n] and visible [n, C+E+n] bool over (cache, queries), all on the device. Returns states [n, H]."""
+        positions [n] and visible [n, C+E+n] bool over (cache, queries), all on the device. Returns states [n, H].
+
+        Captured, the pass runs at a fixed shape: n padded to ``bucket(n, MODULE_BUCKETS)`` queries (the padding
+        queries see only themselves, and no real query sees them; their entries land past the real ones, where the
+        next pass writes), and the mask spanning the whole preallocated cache. The n of a pass varies with the
+        frontier's width, the accepted path's length and the prompt, so unpadded each new n would compile a graph."""
         dtype = self.heads.dtype
         n, width = visible.shape
-        if self.capture:  # the mask spans the preallocated cache; the pass writes right after what it keeps
-            self._reserve(width)
+        if self.capture:  # the pass writes right after what it keeps
+            extra = bucket(n, MODULE_BUCKETS) - n
+            self._reserve(width + extra)
             for layer in self.cache.layers:
-                if layer.is_initialized:
-                    layer.cumulative_length.fill_(width - n)
-            visible = F.pad(visible, (0, self.cache.layers[0].max_cache_len - width))
+                layer.cumulative_length.fill_(width - n)
+            if extra:
+                prev = F.pad(prev, (0, 0, 0, extra))
+                tokens, positions = F.pad(tokens, (0, extra)), F.pad(positions, (0, extra))
+                own = torch.zeros(extra, width + extra, dtype=torch.bool, device=self.device)
+                own[:, width:] = torch.eye(extra, dtype=torch.bool, device=self.device)
+                visible = torch.cat([F.pad(visible, (0, extra)), own])  # [n + extra, width + extra]
+            visible = F.pad(visible, (0, self.cache.layers[0].max_cache_len - visible.shape[1]))
         mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+E+n or cache]
         mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
         inputs = (prev[None], tokens[None], self.embed, positions[None], mask, self.cache)
         if self.capture:
-            return captured(self.heads, "step", self.heads.step, *inputs, **self.attention)[0]
+            return captured(self.heads, "step", self.heads.step, *inputs, **self.attention)[0, :n]
         return self.heads.step(*inputs, **self.attention)[0]
 
     def _reserve(self, width: int) -> None:
@@ -240,11 +261,9 @@ class SequentialDrafter:
             size *= 2
         old, self.cache = self.cache, self._new_cache(size)
         for layer, was in zip(self.cache.layers, old.layers):
-            if was.is_initialized:
-                layer.lazy_initialization(was.keys, was.values)
-                layer.keys[:, :, : was.max_cache_len] = was.keys
-                layer.values[:, :, : was.max_cache_len] = was.values
-                layer.cumulative_length.copy_(was.cumulative_length)
+            layer.keys[:, :, : was.max_cache_len] = was.keys
+            layer.values[:, :, : was.max_cache_len] = was.values
+            layer.cumulative_length.copy_(was.cumulative_length)
 
     def start(self, prefill: Prefill) -> None:
         """After the prefill: the module reads the end of the prompt.
@@ -257,7 +276,8 @@ class SequentialDrafter:
         input_ids, hidden = prefill.input_ids, prefill.hidden
         prompt_len = input_ids.shape[0]
         first = max(0, prompt_len - 1 - self.heads.config.num_heads)
-        self.cache = self._new_cache(MODULE_CACHE)
+        if not self.capture:  # a preallocated cache is kept (its addresses are in the recorded graphs): each pass
+            self.cache = self._new_cache(MODULE_CACHE)  # masks what it does not keep
         self.length = 0
         self.next_position = first
         self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)

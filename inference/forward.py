@@ -110,6 +110,8 @@ def transposed_linears(model: nn.Module, plan: Plan, rows: int | None = None) ->
 
 CACHES = ("dynamic", "static")
 MIN_STATIC = 1024  # the smallest static cache (positions): most generations fit it, so one shape serves them
+MIN_CAPTURED = 4096  # ... when its forwards are captured: each cache length is another graph per bucket (a compile),
+# and prompts of a few thousand tokens are common; a wider mask costs a GPU's attention little next to its weights
 
 
 @dataclass(frozen=True)
@@ -133,14 +135,16 @@ class ForwardContext:
     def static_cache(self, model, positions: int):
         """A ``kv.StaticKV`` for a generation of up to ``positions`` positions (prompt, new tokens, the largest padded
         tree): this thread's last one when it is for ``model`` and large enough, else a new one of the next power of
-        two (at least ``MIN_STATIC``) positions. Reusing one cache keeps its tensors at one address and its mask at
-        one width: a captured forward is compiled and recorded once, not per prompt length. Captured verifies pad
-        trees to the few sizes of ``kv.CAPTURE_BUCKETS`` (one compile each), others to ``kv.BUCKETS``."""
+        two (at least ``MIN_STATIC``, or ``MIN_CAPTURED`` when captured) positions. Reusing one cache keeps its
+        tensors at one address and its mask at one width: a captured forward is compiled and recorded once, not per
+        prompt length. Captured verifies pad trees to the few sizes of ``kv.CAPTURE_BUCKETS`` (one compile each),
+        others to ``kv.BUCKETS``."""
         from .kv import BUCKETS, CAPTURE_BUCKETS, StaticKV  # (kv imports nothing of this module's users)
 
         kv = getattr(self._pool, "kv", None)
         if kv is None or kv.model_ref() is not model or kv.max_len < positions:
-            kv = StaticKV(model, max(MIN_STATIC, 1 << (positions - 1).bit_length()),
+            least = MIN_CAPTURED if self.capture else MIN_STATIC
+            kv = StaticKV(model, max(least, 1 << (positions - 1).bit_length()),
                           buckets=CAPTURE_BUCKETS if self.capture else BUCKETS)
             self._pool.kv = kv
         return kv

@@ -24,19 +24,12 @@ import weakref
 import torch
 from transformers import StaticCache
 
+from tokenmaxx.heads.capture import bucket
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tree sizes a verify is padded to (a multiple of the last past it)
 # ... when the verify is captured: each size is one more compile, while a GPU forward of a few dozen tokens is bound by
 # its launches rather than its arithmetic, so coarse padding costs little (the device check measures the curve)
 CAPTURE_BUCKETS = (16, 64, 256)
-
-
-def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
-    """The size a tree of ``n`` nodes is verified at: the smallest bucket that holds it (past the largest, the next
-    multiple of the largest)."""
-    for size in buckets:
-        if n <= size:
-            return size
-    return -(-n // buckets[-1]) * buckets[-1]
 
 
 class StaticKV:

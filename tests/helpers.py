@@ -263,15 +263,16 @@ class OracleMTP(MTPHeads):
         self.reference = reference[0].tolist()
         self.seed = seed
         self.p_top = p_top
-        self._rows = []
 
     def step(self, prev, tokens, embed, position_ids, attention_mask, cache=None, **attention):
-        self._rows = list(zip(position_ids[0].tolist(), tokens[0].tolist()))
-        return super().step(prev, tokens, embed, position_ids, attention_mask, cache, **attention)
+        """The module's pass, its output carrying each query's position and token in its first two channels (for
+        ``logits``, whichever rows of it are read: padded passes, batched rows)."""
+        out = super().step(prev, tokens, embed, position_ids, attention_mask, cache, **attention)  # [B, n, H]
+        return torch.cat([position_ids[..., None].to(out.dtype), tokens[..., None].to(out.dtype), out[..., 2:]], -1)
 
     def logits(self, states, lm_head):
         vocab = lm_head.weight.shape[0]
-        rows = self._rows[-1:] if states.dim() == 1 else self._rows
+        rows = states.reshape(-1, states.shape[-1])[:, :2].round().long().tolist()  # (q, token) per state
         out = torch.empty(len(rows), vocab)
         for i, (q, tok) in enumerate(rows):
             gen = torch.Generator().manual_seed(self.seed * 100003 + q * 1009 + tok)  # same query, same guesses
@@ -283,7 +284,7 @@ class OracleMTP(MTPHeads):
                 else:
                     out[i, int(torch.randint(vocab, (), generator=gen))] = 12.0
                     out[i, target] = 11.0
-        return out[0] if states.dim() == 1 else out
+        return out.reshape(*states.shape[:-1], vocab)
 
 
 class HostTraffic(TorchDispatchMode):

@@ -16,14 +16,14 @@ from tokenmaxx.heads import capture as capture_module
 from tokenmaxx.heads import sequential
 from tokenmaxx.inference.decoding import accept_greedy, commit, verify
 from tokenmaxx.inference.forward import CaptureFallbackWarning, ForwardContext
-from tokenmaxx.inference.kv import StaticKV, bucket
+from tokenmaxx.inference.kv import BUCKETS, StaticKV, bucket
 from tokenmaxx.inference.loop import eos_ids, greedy_root, speculative_decode
 
 TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # 8 nodes: padded to 8; 7-node cut to 8 too
 
 
 def test_buckets():
-    assert [bucket(n) for n in (1, 2, 3, 8, 9, 100, 256, 257, 600)] == [1, 2, 4, 8, 16, 128, 256, 512, 768]
+    assert [bucket(n, BUCKETS) for n in (1, 2, 3, 8, 9, 100, 256, 257, 600)] == [1, 2, 4, 8, 16, 128, 256, 512, 768]
     assert bucket(5, (4, 6)) == 6 and bucket(7, (4, 6)) == 12
     with pytest.raises(ValueError, match="increasing positive"):
         StaticKV(tiny_model(), 64, buckets=(8, 4))
@@ -141,6 +141,40 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_and_says_so(monkeypatch)
     said = sorted({str(w.message) for w in caught if w.category is CaptureFallbackWarning})
     assert said == [f"capturing {name} failed (RuntimeError: no compiler here); running it eagerly"
                     for name in ("LlamaForCausalLM.forward", "OracleMTP.step")], said
+
+
+@pytest.mark.capture  # (on an accelerator too: its own compile, on the eager backend)
+def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_none_after(monkeypatch):
+    """The shapes a captured generation meets are few and fixed: the verify at its buckets, the module's pass at one
+    padded width whatever the frontier's width, the accepted path's length or the prompt's. So the first generation
+    compiles every graph, and prompts of other lengths, lookup branches and long rigged paths compile nothing more
+    (counted by dynamo's own compile counter on its eager backend: what matters here is which shapes are traced, not
+    the code inductor would make of them). Output is greedy's throughout."""
+    from torch._dynamo.testing import CompileCounter
+
+    counters: dict[str, CompileCounter] = {}
+    real = torch.compile
+
+    def counting_compile(fn, **kwargs):
+        return real(fn, backend=counters.setdefault(fn.__qualname__, CompileCounter()), dynamic=False)
+
+    monkeypatch.setattr(capture_module.torch, "compile", counting_compile)
+    model = tiny_model("llama", seed=3)
+    gen = SpeculativeGenerator(model, random_eagle3(model, scale=0.05), draft="hybrid", cache="static", capture=True)
+    compiled = []
+    for prompt, new in [*random_prompts(3, model.config.vocab_size, seed=4),
+                        *repeating_prompts(model.config.vocab_size, seed=5, n=3)]:
+        out = gen.generate(prompt, max_new_tokens=new)
+        assert out.sequences.tolist() == greedy_reference(model, prompt, new).tolist()
+        compiled.append({name: counter.frame_count for name, counter in counters.items()})
+    assert compiled[-1] == compiled[0], compiled
+    assert compiled[0]["Eagle3Heads.step"] == 1 and 1 <= compiled[0]["LlamaForCausalLM.forward"] <= 2, compiled
+    # rigged heads: accepted paths of every length, each catching the module up by its length
+    seen = dict(counters)
+    same, tau = _oracle_run(tiny_model("llama", seed=1), ForwardContext(cache="static", capture=True), n=3,
+                            capture=True)
+    assert all(same) and tau > 3.0
+    assert {name: c.frame_count for name, c in counters.items() if name not in seen} == {"OracleMTP.step": 1}
 
 
 @pytest.mark.slow
