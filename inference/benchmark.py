@@ -51,6 +51,7 @@ class Run:
 @dataclass
 class MethodResult:
     runs: dict[int, Run] = field(default_factory=dict)  # prompt index -> run
+    warmup_seconds: float = 0.0  # its untimed warm-up (where a compiled or captured method compiles)
 
 
 def load_prompts(path: str | Path, tokenizer, limit: int | None = None, group_mt_bench: bool = True) -> list[Prompt]:
@@ -157,11 +158,13 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
         raise ValueError("the methods must include 'baseline' (speedups are relative to it)")
     names = list(methods)
     device = model.get_output_embeddings().weight.device
+    results = {name: MethodResult() for name in names}
     with torch.inference_mode():
         for prompt in prompts[:warmup]:
             for name in names:
+                start = clock(device)
                 methods[name](prompt.input_ids.to(device), min(16, max_new_tokens))
-        results = {name: MethodResult() for name in names}
+                results[name].warmup_seconds += clock(device) - start
         bar = tqdm(prompts, desc="bench", disable=not progress)
         last = 0.0  # seconds the last prompt took, every method
         for i, prompt in enumerate(bar):
@@ -232,7 +235,8 @@ def summarize(results: dict[str, MethodResult], prompts: list[Prompt]) -> dict:
                         [compiled[i] for i in idx] if compiled is not None else None)
 
     return {name: {"overall": summary(res.runs, done),
-                   "categories": {c: summary(res.runs, [i for i in done if prompts[i].category == c]) for c in cats}}
+                   "categories": {c: summary(res.runs, [i for i in done if prompts[i].category == c]) for c in cats},
+                   "warmup_seconds": round(res.warmup_seconds, 3)}
             for name, res in results.items()}
 
 
@@ -290,6 +294,13 @@ def markdown_table(report: dict) -> str:
     if compiled:
         table += (f"vs compiled: the overall speedup vs `{compiled}` (the second baseline: `generate` with a static "
                   "cache, its decode step through torch.compile).\n")
+    warm = {name: m["warmup_seconds"] for name, m in methods.items() if "warmup_seconds" in m}
+    if warm:  # (records before it have none)
+        compiled_first = report.get("config", {}).get("notes", {}).get("compile_seconds", {})
+        table += ("Warm-up, untimed (a compiled or captured method compiles there): "
+                  + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items())
+                  + "".join(f"; {name} compiled before it in {seconds:.1f} s" for name, seconds in compiled_first.items())
+                  + ".\n")
     ours = {name: m["overall"] for name, m in methods.items() if "heads_round_share" in m["overall"]}
     if ours:  # where a round's time went, per tokenmaxx method
         table += ("\n| method | heads proposed in | propose | verify | accept | commit | accepted heads / lookup / both |"

@@ -25,6 +25,7 @@ import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
+from tokenmaxx.heads.machine import clock
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
 from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
                                            load_prompts, machine_info, markdown_table, plot, prompt_rows,
@@ -217,8 +218,10 @@ def probe_compiled(methods: dict, notes: dict, prompt, model) -> None:
     device = model.get_output_embeddings().weight.device
     for name in [n for n in methods if n.partition(":")[0] == COMPILED]:
         try:
+            start = clock(device)
             with torch.inference_mode():
                 methods[name](prompt.input_ids.to(device), 4)  # compiled, then captured (CUDA graphs)
+            notes.setdefault("compile_seconds", {})[name] = round(clock(device) - start, 2)
         except Exception as err:  # noqa: BLE001 (said in the report, and on stderr)
             del methods[name]
             notes[name] = f"left out: compiling failed here: {type(err).__name__}: {str(err)[:300]}"

@@ -54,7 +54,7 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
     assert "skipped" in report["config"]["notes"]["assisted"]
     keys = {"tokens", "seconds", "tokens_per_s", "speedup", "speedup_compiled", "tau", "identical_rate", "prompts"}
     for name, m in report["methods"].items():
-        assert set(m) == {"overall", "categories"}
+        assert set(m) == {"overall", "categories", "warmup_seconds"} and m["warmup_seconds"] > 0
         extra = {"accepted_share", "heads_round_share", "ms_per_round"} if name in ours else set()
         assert set(m["overall"]) == keys | extra
         assert set(m["categories"]) == {"qa", "mt_bench"}
@@ -84,6 +84,8 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
     assert "heads proposed in" in out.with_suffix(".md").read_text() and "| vs compiled |" in \
         out.with_suffix(".md").read_text()
     assert report["methods"]["compiled:eager"]["overall"]["identical_rate"] == 1.0
+    assert set(report["config"]["notes"]["compile_seconds"]) == {"compiled:eager"}  # compiled before the warm-up
+    assert "compiled:eager compiled before it in" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
@@ -106,12 +108,13 @@ def test_the_compiled_static_cache_baseline_goes_through_torch_compile_and_gener
     finally:
         torch._dynamo.reset()
     assert graphs >= 1  # the decode step went through torch.compile
+    assert results["compiled:eager"].warmup_seconds > results["baseline"].warmup_seconds  # (tracing: in the warm-up)
     summary = summarize(results, prompts)
     assert summary["compiled:eager"]["overall"]["identical_rate"] == 1.0
     assert summary["compiled:eager"]["overall"]["speedup_compiled"] == 1.0
     assert set(summary["baseline"]["categories"]["qa"]) >= {"speedup", "speedup_compiled"}
     table = markdown_table({"methods": summary})
-    assert "| vs compiled |" in table and "vs `compiled:eager`" in table
+    assert "| vs compiled |" in table and "vs `compiled:eager`" in table and "Warm-up, untimed" in table
 
 
 def test_a_run_stopped_at_its_deadline_keeps_and_summarizes_the_prompts_it_finished():
