@@ -23,6 +23,20 @@ def cpu_name() -> str:
         return platform.processor()
 
 
+def cpu_id() -> str:
+    """The CPU's vendor, family, model and stepping ("AuthenticAMD family 25 model 17 stepping 1"), where /proc/cpuinfo
+    says them. A virtual machine may give only a family's name ("AMD EPYC") for CPUs generations apart, which time
+    the same work differently: the caches of measured costs name the CPU by this too."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first processor's lines
+    except OSError:
+        return platform.processor() or "unknown"
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+    return " ".join([fields.get("vendor_id", "?")] + [f"{label} {fields.get(key, '?')}" for label, key in
+                                                       (("family", "cpu family"), ("model", "model"),
+                                                        ("stepping", "stepping"))])
+
+
 def cpu_isa() -> str:
     """The vector instruction set PyTorch's CPU kernels use here ("AVX512", "AVX2", ...). CPUs sold under one model
     name differ in it (an "AMD EPYC" may have AVX-512 or AVX2 only, and bf16 matmuls are far slower on the latter;

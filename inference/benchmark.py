@@ -262,13 +262,14 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
 
 
 def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
-    """What ran the benchmark: host CPU and its vector ISA, threads, versions, dtype, and the device the backbone ran
+    """What ran the benchmark: host CPU (name, family/model/stepping, vector ISA, native bf16), threads, versions, dtype, and the device the backbone ran
     on by name."""
     import transformers
 
-    from tokenmaxx.heads.machine import cpu_isa, cpu_name, device_name
+    from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_id, cpu_isa, cpu_name, device_name
 
-    return {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": threads, "torch": torch.__version__,
+    return {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(), "native_bf16": cpu_has_native_bf16(),
+            "threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "dtype": dtype,
             "platform": platform.platform(), "device": device_name(device)}
 

@@ -214,6 +214,25 @@ def test_calibration_keys_tell_cpu_instruction_sets_apart(monkeypatch):
     assert len(keys) == 2
 
 
+def test_calibration_keys_tell_cpus_of_one_name_and_isa_apart(monkeypatch, tmp_path):
+    """Virtual machines name CPUs generations apart alike ("AMD EPYC", both AVX-512): their family, model and stepping
+    (/proc/cpuinfo) tell them apart, and a cost measured on one is not read on the other."""
+    from tokenmaxx.heads import machine as machine_module
+
+    cpuinfo = tmp_path / "cpuinfo"
+    real_path = machine_module.Path
+    monkeypatch.setattr(machine_module, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    model, keys = _model(), set()
+    for model_number in (1, 17):
+        cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model_number}"
+                           "\nmodel name\t: AMD EPYC\nstepping\t: 1\n\nprocessor\t: 1\nmodel\t\t: 99\n")
+        machine = machine_fingerprint(model)
+        assert machine["cpu"] == "AMD EPYC"
+        assert machine["cpu_id"] == f"AuthenticAMD family 25 model {model_number} stepping 1"  # the first processor's
+        keys.add(calibration_key(model, random_heads(model), machine))
+    assert len(keys) == 2
+
+
 @pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 def test_bf16_on_a_cpu_without_native_bf16_is_warned_about_when_loading(monkeypatch, tmp_path):
     """On an AVX2-only CPU bf16 verifies cost nearly a decode step per token (docs/benchmarks.md): from_pretrained says

@@ -1,10 +1,10 @@
 """Where calibrations (verify latency tables, ``tree="auto"`` choices) are cached on disk, and under which key.
 
 A record is a JSON file CACHE/calibration/KEY.json (``tokenmaxx.heads.cache_dir``), written under a temp name then
-renamed. Keys cover the backbone's identity, the heads' weights where they matter, the machine (CPU model and the
-vector instructions PyTorch uses on it, threads, torch, dtype, and the device the backbone runs on by name: an H200's
-table is never read on a CPU, nor the reverse)
-and ``CALIBRATION_VERSION``, so a table measured on one machine is never read on another.
+renamed. Keys cover the backbone's identity, the heads' weights where they matter, the machine (the CPU by name and
+by family, model and stepping, the vector instructions PyTorch uses on it, threads, torch, dtype, and the device the
+backbone runs on by name: an H200's table is never read on a CPU, nor the reverse) and ``CALIBRATION_VERSION``, so a
+table measured on one machine is never read on another.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tokenmaxx.heads import backbone_identity, cache_dir
-from tokenmaxx.heads.machine import cpu_isa, cpu_name, device_name
+from tokenmaxx.heads.machine import cpu_id, cpu_isa, cpu_name, device_name
 
 CALIBRATION_VERSION = 6  # bumped when the calibration method, what it times or the key changes, so stale cached
 # choices and latency tables are not reused
@@ -36,11 +36,12 @@ def write_record(path: Path, record: dict) -> None:
 
 
 def machine_fingerprint(model) -> dict:
-    """The machine a calibration holds for: host CPU, its vector ISA and threads (the loop's Python side runs there),
-    torch, the backbone's dtype, and the device it runs on (``device_name``)."""
+    """The machine a calibration holds for: host CPU (by name and by family, model and stepping), its vector ISA and
+    threads (the loop's Python side runs there), torch, the backbone's dtype, and the device it runs on
+    (``device_name``)."""
     weight = model.get_output_embeddings().weight
-    return {"cpu": cpu_name(), "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "dtype": str(weight.dtype), "device": device_name(weight.device)}
+    return {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "dtype": str(weight.dtype), "device": device_name(weight.device)}
 
 
 def backbone_key(model, machine: dict, *what) -> str:
