@@ -229,7 +229,9 @@ class SequentialDrafter:
         Captured, the pass runs at a fixed shape: n padded to ``bucket(n, MODULE_BUCKETS)`` queries (the padding
         queries see only themselves, and no real query sees them; their entries land past the real ones, where the
         next pass writes), and the mask spanning the whole preallocated cache. The n of a pass varies with the
-        frontier's width, the accepted path's length and the prompt, so unpadded each new n would compile a graph."""
+        frontier's width, the accepted path's length and the prompt, so unpadded each new n would compile a graph.
+        The states it returns are the drafter's own: on a GPU a captured call's outputs are overwritten by the next
+        captured call."""
         dtype = self.heads.dtype
         n, width = visible.shape
         if self.capture:  # the pass writes right after what it keeps
@@ -247,8 +249,9 @@ class SequentialDrafter:
         mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+E+n or cache]
         mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
         inputs = (prev[None], tokens[None], self.embed, positions[None], mask, self.cache)
-        if self.capture:
-            return captured(self.heads, "step", self.heads.step, *inputs, **self.attention)[0, :n]
+        if self.capture:  # (a copy: the next captured call, a level's or the verify's, overwrites its outputs,
+            # and the newest anchor's state is read after it)
+            return captured(self.heads, "step", self.heads.step, *inputs, **self.attention)[0, :n].clone()
         return self.heads.step(*inputs, **self.attention)[0]
 
     def _reserve(self, width: int) -> None:

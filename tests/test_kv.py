@@ -14,6 +14,7 @@ from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.heads import capture as capture_module
 from tokenmaxx.heads import sequential
+from tokenmaxx.inference import loop
 from tokenmaxx.inference.decoding import accept_greedy, commit, verify
 from tokenmaxx.inference.forward import CaptureFallbackWarning, ForwardContext
 from tokenmaxx.inference.kv import BUCKETS, StaticKV, bucket
@@ -175,6 +176,58 @@ def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_n
                             capture=True)
     assert all(same) and tau > 3.0
     assert {name: c.frame_count for name, c in counters.items() if name not in seen} == {"OracleMTP.step": 1}
+
+
+class ReplayedOutputs:
+    """A stand-in for ``torch.compile(mode="reduce-overhead")`` with what CUDA graph replays do to outputs: a call's
+    outputs live in the graphs' memory pool, and the next captured call (any of them: ``capture.captured`` marks a
+    new step each time) overwrites them (on a GPU, reading one then raises). Here they are filled with NaN, so a
+    round that keeps one past the next call reads garbage where the GPU would stop."""
+
+    def __init__(self):
+        self.live: list[torch.Tensor] = []
+
+    def compile(self, fn, **kwargs):
+        def replay(*args, **kw):
+            for tensor in self.live:
+                tensor.fill_(float("nan"))
+            out = fn(*args, **kw)
+            self.live = [t for t in torch.utils._pytree.tree_leaves(out)
+                         if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            return out
+        return replay
+
+
+@pytest.mark.parametrize("draft", ["hybrid", "heads", "medusa"])
+def test_no_output_of_a_captured_call_is_read_after_the_next_one(monkeypatch, draft):
+    """Captured passes drafting and verifying as on a GPU, each call's outputs overwritten by the next call: every
+    round drafts the tree the uncaptured static-cache rounds draft (a kept output read after another call, such as
+    the module state of the newest anchor, would change it), and the tokens are greedy's."""
+    replayed = ReplayedOutputs()
+    monkeypatch.setattr(capture_module.torch, "compile", replayed.compile)
+    drafted: list[list[int]] = []
+
+    def recording_verify(model, cache, tokens, *args):
+        drafted.append(tokens.tolist())
+        return verify(model, cache, tokens, *args)
+
+    monkeypatch.setattr(loop, "verify", recording_verify)
+    model = tiny_model("llama", seed=3)
+    heads = random_heads(model, seed=1) if draft == "medusa" else random_eagle3(model, scale=0.3)
+    tree = None if draft == "medusa" else "dynamic:nodes=16,topk=4,min_mass=0"  # every level a pass
+    make = lambda **kw: SpeculativeGenerator(model, heads, draft="heads" if draft == "medusa" else draft,
+                                             cache="static", tree=tree, **kw)
+    captured_gen, plain = make(capture=True), make(capture=False)
+    for prompt, new in [*random_prompts(2, model.config.vocab_size, seed=4),
+                        *repeating_prompts(model.config.vocab_size, seed=5, n=2)]:
+        drafted.clear()
+        out = captured_gen.generate(prompt, max_new_tokens=new)
+        trees = list(drafted)
+        drafted.clear()
+        plain.generate(prompt, max_new_tokens=new)
+        assert trees == drafted
+        assert out.sequences.tolist() == greedy_reference(model, prompt, new).tolist()
+    assert replayed.live  # (the stand-in ran)
 
 
 @pytest.mark.slow
