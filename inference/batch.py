@@ -37,7 +37,7 @@ from tokenmaxx.heads.modeling import backbone_features
 from .costs import Costs, VerifyLatency, interpolate
 from .decoding import Accepted, accept_greedy
 from .forward import ForwardContext
-from .loop import GenerationStats, _emitted, _last_logits_only
+from .loop import GenerationStats, Throughput, _emitted, _last_logits_only
 
 Accept = Callable[[torch.Tensor, torch.Tensor, object], Accepted]
 
@@ -87,7 +87,7 @@ class LoadGate:
 
 
 @dataclass
-class BatchStats:
+class BatchStats(Throughput):
     """Statistics of a batched generation: per row (``rows``, a ``GenerationStats`` each: its rounds, tokens, tau),
     and the batch's own forwards and time."""
 
@@ -102,14 +102,6 @@ class BatchStats:
     @property
     def new_tokens(self) -> int:
         return sum(r.new_tokens for r in self.rows)
-
-    @property
-    def wall_seconds(self) -> float:
-        return self.prefill_seconds + self.decode_seconds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
     def to_dict(self) -> dict:
         return {"rows": [r.to_dict() for r in self.rows], "forwards": self.forwards,

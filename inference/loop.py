@@ -29,8 +29,21 @@ PHASES = ("propose", "verify", "accept", "commit")
 STATIC_MARGIN = 512  # positions a static cache holds past the prompt and the new tokens: the largest padded tree
 
 
+class Throughput:
+    """``wall_seconds`` and ``tokens_per_s`` of statistics that count ``prefill_seconds``, ``decode_seconds`` and
+    ``new_tokens``."""
+
+    @property
+    def wall_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+
 @dataclass
-class GenerationStats:
+class GenerationStats(Throughput):
     steps: int = 0  # speculative rounds (backbone forwards after the prefill)
     new_tokens: int = 0
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tau -> number of rounds
@@ -52,14 +65,6 @@ class GenerationStats:
         """Tokens per backbone forward over the speculative rounds (accepted candidates + bonus)."""
         total = sum(t * c for t, c in self.accepted_hist.items())
         return total / self.steps if self.steps else 0.0
-
-    @property
-    def wall_seconds(self) -> float:
-        return self.prefill_seconds + self.decode_seconds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
     def record(self, outcome: Outcome, times: list[float]) -> None:
         """One round: its accepted length, who drafted the accepted candidates (counted on the device), and the time

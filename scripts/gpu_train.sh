@@ -23,17 +23,18 @@
 #
 # What travels (64 MiB a call, the repo's tracked files included): `GPU_CHECK_TRAIN=1 scripts/gpu_check.sh --pack`
 # adds DeepSpeed (built here as a pure-Python wheel), datasets and what the machine lacks (dill, multiprocess,
-# pydantic, ...) to the GGUF pieces and transformers. Session 29, as run (the machine warm between the calls):
+# pydantic, ...) to the GGUF pieces and transformers. Training reads distilled/ (the data) but not heads/pretrained
+# (the shipped heads), so that is what stays behind; the calls go back to back (the machine keeps /tmp only while warm):
 #   here:   bash scripts/gpu_train.sh --make-smoke .gpu/smoke
-#           git rm -r -q --cached heads/pretrained; echo /heads/pretrained/ >>.git/info/exclude  # 22 MiB less a call:
+#           git rm -r -q --cached heads/pretrained; echo /heads/pretrained/ >>.git/info/exclude  # 22 MiB less a call
 #           GPU_CHECK_TRAIN=1 bash scripts/gpu_check.sh --pack .gpu/pack                        # 3 folders, not 6
 #   device: run(carry=[".gpu/pack/3", ".gpu/smoke"], command="bash scripts/gpu_check.sh --receive .gpu/pack/3 &&
-#               GPU_TRAIN_SMOKE=.gpu/smoke bash scripts/gpu_train.sh --smoke $OUT/smoke")       # 82 s
+#               GPU_TRAIN_SMOKE=.gpu/smoke bash scripts/gpu_train.sh --smoke $OUT/smoke")
 #           run(carry=[".gpu/pack/1"], command="bash scripts/gpu_check.sh --receive .gpu/pack/1")
 #           run(carry=[".gpu/pack/2"], timeout_s=600, command="bash scripts/gpu_check.sh --receive .gpu/pack/2 &&
-#               BUDGET=565 bash scripts/gpu_train.sh $OUT")                                    # 484 s
+#               BUDGET=565 bash scripts/gpu_train.sh $OUT")
 #   here:   git reset -q HEAD -- heads/pretrained (and drop the exclude line); cat OUT/runs.tgz.* | tar -xz -C DIR
-#
+# The seconds each call took when it ran: docs/benchmarks.md, "GPU training".
 # Environment: KINDS (default "mtp eagle3"), BUDGET (seconds from the start to the packed output, default 500),
 # MAX_EPOCHS (12), MIN_EPOCHS (0.5), PROBE (10 steps), LR (1e-3), WARMUP (100), DRAFT_VOCAB (8192), SEQ_LEN (768),
 # MICRO (32 sequences a step, in one micro-batch on a GPU), SAVE_EVERY (100), DYNAMIC_TREE (the exported serving tree,
