@@ -255,3 +255,6 @@ def test_a_static_cache_is_reused_while_it_fits():
     assert first.max_len == 1024 and context.static_cache(model, 1024) is first  # one shape for most generations
     assert context.static_cache(other, 10) is not first  # another backbone's
     assert context.static_cache(model, 1025).max_len == 2048
+    captured_context = ForwardContext(cache="static", capture=True)  # each length a graph per bucket: fewer lengths
+    assert captured_context.static_cache(model, 300).max_len == captured_context.static_cache(model, 4000).max_len \
+        == 4096 and captured_context.static_cache(model, 4097).max_len == 8192
