@@ -130,7 +130,7 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
     context = getattr(model.config, "max_position_embeddings", None) or max(prefix_lens) + max(LATENCY_SIZES)
     lengths = sorted({max(1, min(p, context - max(LATENCY_SIZES))) for p in prefix_lens})
     # the median, not the best case: in the decode loop a multi-token forward costs what the medians say, not the
-    # minima; sized on minima, hybrid trees came out too big (docs/benchmarks.md)
+    # minima; sized on minima, hybrid trees came out too big (docs/benchmarks.md, "Figures moved from the code")
     planned = set(as_plan(small_rows))  # sizes the plan verifies another way: measured each, kept as measured
     sizes = sorted(set(LATENCY_SIZES) | planned)
     measured = {p: measure_latency(model, sizes=sizes, prefix_len=p, statistic="median", small_rows=small_rows)
