@@ -4,8 +4,9 @@
 A small model's forward is ~1,000 kernel launches; on a GPU that is bound by the host, and replaying a recorded graph
 takes it off. The callers keep the shapes few (a static KV cache, trees padded to a few sizes: ``inference/kv.py``;
 the sequential drafter's passes padded to ``MODULE_BUCKETS`` queries: ``bucket``), so that a generation compiles a
-handful of graphs, all in its first rounds, and later prompts of any length compile nothing. Where compiling fails (no compiler, an operation it cannot trace) the
-call runs eagerly from then on, computing the same, and says so once (``CaptureFallbackWarning``).
+handful of graphs, all in its first rounds, and later prompts of any length compile nothing. Where compiling fails
+(no compiler, an operation it cannot trace) the call runs eagerly from then on, computing the same, and says so once
+(``CaptureFallbackWarning``).
 """
 
 from __future__ import annotations

@@ -262,8 +262,8 @@ def prompt_rows(results: dict[str, MethodResult], prompts: list[Prompt]) -> list
 
 
 def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
-    """What ran the benchmark: host CPU (name, family/model/stepping, vector ISA, native bf16), threads, versions, dtype, and the device the backbone ran
-    on by name."""
+    """What ran the benchmark: host CPU (name, family/model/stepping, vector ISA, native bf16), threads, versions,
+    dtype, and the device the backbone ran on by name."""
     import transformers
 
     from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_id, cpu_isa, cpu_name, device_name
@@ -300,7 +300,8 @@ def markdown_table(report: dict) -> str:
         compiled_first = report.get("config", {}).get("notes", {}).get("compile_seconds", {})
         table += ("Warm-up, untimed (a compiled or captured method compiles there): "
                   + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items())
-                  + "".join(f"; {name} compiled before it in {seconds:.1f} s" for name, seconds in compiled_first.items())
+                  + "".join(f"; {name} compiled before it in {seconds:.1f} s"
+                            for name, seconds in compiled_first.items())
                   + ".\n")
     ours = {name: m["overall"] for name, m in methods.items() if "heads_round_share" in m["overall"]}
     if ours:  # where a round's time went, per tokenmaxx method

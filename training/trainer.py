@@ -390,8 +390,9 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     result.wall_seconds = time.perf_counter() - wall_start
     total = progress()
     extra = {"training": cfg.to_dict(), "requested": requested, "deepspeed": ds, "world_size": world,
-             "machine": {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(),
-                         "torch": torch.__version__, "device": device_name(device)},
+             "machine": {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(),
+                         "threads": torch.get_num_threads(), "torch": torch.__version__,
+                         "device": device_name(device)},
              "data": {"path": str(cfg.data), "provenance": data.provenance, "fingerprint": data.fingerprint,
                       "rows": data.num_rows, "train_examples": len(data.train), "eval_examples": len(data.eval),
                       "dropped": data.dropped},
