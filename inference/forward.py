@@ -135,17 +135,22 @@ class ForwardContext:
     def static_cache(self, model, positions: int):
         """A ``kv.StaticKV`` for a generation of up to ``positions`` positions (prompt, new tokens, the largest padded
         tree): this thread's last one when it is for ``model`` and large enough, else a new one of the next power of
-        two (at least ``MIN_STATIC``, or ``MIN_CAPTURED`` when captured) positions. Reusing one cache keeps its
-        tensors at one address and its mask at one width: a captured forward is compiled and recorded once, not per
-        prompt length. Captured verifies pad trees to the few sizes of ``kv.CAPTURE_BUCKETS`` (one compile each),
+        two (at least ``MIN_STATIC``, or ``MIN_CAPTURED`` when captured; at most the power of two that holds the model's
+        context) positions. Reusing one cache keeps its tensors at one address and its mask at one width: a captured
+        forward is compiled and recorded once, not per prompt length. Captured verifies pad trees to the few sizes of ``kv.CAPTURE_BUCKETS`` (one compile each),
         others to ``kv.BUCKETS``."""
         from .kv import BUCKETS, CAPTURE_BUCKETS, StaticKV  # (kv imports nothing of this module's users)
 
         kv = getattr(self._pool, "kv", None)
         if kv is None or kv.model_ref() is not model or kv.max_len < positions:
-            least = MIN_CAPTURED if self.capture else MIN_STATIC
-            kv = StaticKV(model, max(least, 1 << (positions - 1).bit_length()),
-                          buckets=CAPTURE_BUCKETS if self.capture else BUCKETS)
+            def power_of_two(n: int) -> int:
+                return 1 << (n - 1).bit_length()
+
+            length = max(MIN_CAPTURED if self.capture else MIN_STATIC, power_of_two(positions))
+            context = getattr(model.config, "max_position_embeddings", None)  # (no generation needs more)
+            if context:
+                length = min(length, power_of_two(max(context, positions)))
+            kv = StaticKV(model, length, buckets=CAPTURE_BUCKETS if self.capture else BUCKETS)
             self._pool.kv = kv
         return kv
 

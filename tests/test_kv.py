@@ -249,12 +249,15 @@ def test_captured_rounds_match_greedy():
 
 
 def test_a_static_cache_is_reused_while_it_fits():
-    model, other = tiny_model(), tiny_model(seed=1)
+    model, other = tiny_model(max_position_embeddings=8192), tiny_model(seed=1, max_position_embeddings=8192)
     context = ForwardContext(cache="static")
     first = context.static_cache(model, 300)
     assert first.max_len == 1024 and context.static_cache(model, 1024) is first  # one shape for most generations
     assert context.static_cache(other, 10) is not first  # another backbone's
     assert context.static_cache(model, 1025).max_len == 2048
-    captured_context = ForwardContext(cache="static", capture=True)  # each length a graph per bucket: fewer lengths
-    assert captured_context.static_cache(model, 300).max_len == captured_context.static_cache(model, 4000).max_len \
-        == 4096 and captured_context.static_cache(model, 4097).max_len == 8192
+    captured = ForwardContext(cache="static", capture=True)  # each length is a graph per bucket: fewer lengths
+    assert captured.static_cache(model, 300).max_len == captured.static_cache(model, 4000).max_len == 4096
+    assert captured.static_cache(model, 4097).max_len == 8192
+    short = tiny_model()  # no longer than its context needs, as a power of two
+    assert short.config.max_position_embeddings == 256
+    assert ForwardContext(cache="static", capture=True).static_cache(short, 300).max_len == 512
