@@ -11,6 +11,7 @@ handful of graphs, all in its first rounds, and later prompts of any length comp
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from typing import Callable
@@ -27,26 +28,53 @@ RECOMPILE_LIMIT = 64  # graphs dynamo keeps per function before it runs new shap
 # One code object can serve several captured calls (transformers' forward decorators wrap every model's forward in
 # one ``wrapper``), and each (bucket, cache length) is a graph: 8 can run out in one process with two backbones.
 
-_COMPILED: "weakref.WeakKeyDictionary[nn.Module, dict[str, Callable | None]]" = weakref.WeakKeyDictionary()
-# module -> name -> its compiled function, or None once compiling failed
+BACKENDS = {  # how a captured call is compiled: torch.compile's keywords
+    # generated (fused) kernels, replayed as CUDA graphs: the fastest calls; on a GPU tens of seconds to compile a graph
+    "inductor": {"backend": "inductor", "mode": "reduce-overhead"},
+    # the eager kernels recorded as CUDA graphs: the host's launches gone, not the kernels' count; seconds a graph
+    "cudagraphs": {"backend": "cudagraphs"},
+}
+_backend: str | None = None  # set_capture_backend's choice; None: TOKENMAXX_CAPTURE_BACKEND, else "inductor"
+
+_COMPILED: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], Callable | None]]" = \
+    weakref.WeakKeyDictionary()  # module -> (name, backend) -> its compiled function, or None once compiling failed
+
+
+def set_capture_backend(name: str | None) -> None:
+    """How calls captured from now on are compiled (``BACKENDS``; those compiled before keep theirs): "inductor" (the
+    default) for the fastest rounds, "cudagraphs" where compile time matters more (a short-lived process, a check).
+    None: back to the environment's ``TOKENMAXX_CAPTURE_BACKEND``, else "inductor"."""
+    global _backend
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"capture backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    _backend = name
+
+
+def capture_backend() -> str:
+    """The backend calls captured now compile with (``set_capture_backend``)."""
+    name = _backend or os.environ.get("TOKENMAXX_CAPTURE_BACKEND") or "inductor"
+    if name not in BACKENDS:
+        raise ValueError(f"TOKENMAXX_CAPTURE_BACKEND must be one of {sorted(BACKENDS)}, got {name!r}")
+    return name
 
 
 def captured(module: nn.Module, name: str, fn: Callable, *args, **kwargs):
-    """``fn(*args, **kwargs)`` through its compiled version (one per ``module`` and ``name``; a graph per input
-    shape); eagerly once compiling failed, which is said once per module and name."""
+    """``fn(*args, **kwargs)`` through its compiled version (one per ``module``, ``name`` and backend; a graph per
+    input shape); eagerly once compiling failed, which is said once per module and name."""
     compiled = _COMPILED.setdefault(module, {})
-    if name not in compiled:
+    key = (name, capture_backend())
+    if key not in compiled:
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:  # (process-wide: raised, never lowered)
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-        compiled[name] = torch.compile(fn, mode="reduce-overhead", fullgraph=False, dynamic=False)
-    run = compiled[name]
+        compiled[key] = torch.compile(fn, fullgraph=False, dynamic=False, **BACKENDS[key[1]])
+    run = compiled[key]
     if run is None:
         return fn(*args, **kwargs)
     try:
         torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs are consumed: their memory may go
         return run(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - any failure to compile: the eager call computes the same
-        compiled[name] = None
+        compiled[key] = None
         first = str(err).splitlines()[0] if str(err) else ""
         warnings.warn(CaptureFallbackWarning(f"capturing {type(module).__name__}.{name} failed "
                                              f"({type(err).__name__}: {first}); running it eagerly"), stacklevel=3)

@@ -149,8 +149,8 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
     """Interleaved per prompt, rotating the method order; ``baseline`` must be one of the methods. Prompts go to the
     backbone's device before the clock starts, and the clock waits for the device (``heads.machine.clock``).
 
-    ``after_prompt(results, done)``: called once every method has run prompt ``done - 1`` (bench.py saves its report
-    there, so a run killed later keeps what it finished). ``deadline`` (a ``time.perf_counter()`` value): no prompt is
+    ``after_prompt(results, done)``: called after the warm-up (``done`` 0) and once every method has run prompt
+    ``done - 1`` (bench.py saves its report there, so a run killed later keeps what it finished). ``deadline`` (a ``time.perf_counter()`` value): no prompt is
     started that would end after it, judged by the last prompt's time; the results then hold the prompts before it."""
     from tqdm.auto import tqdm
 
@@ -165,6 +165,8 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
                 start = clock(device)
                 methods[name](prompt.input_ids.to(device), min(16, max_new_tokens))
                 results[name].warmup_seconds += clock(device) - start
+        if after_prompt is not None:  # the warm-up's seconds (a compile that used up the time budget) are saved too
+            after_prompt(results, 0)
         bar = tqdm(prompts, desc="bench", disable=not progress)
         last = 0.0  # seconds the last prompt took, every method
         for i, prompt in enumerate(bar):
@@ -276,6 +278,10 @@ def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
 
 def markdown_table(report: dict) -> str:
     methods = report["methods"]
+    if not methods:  # no prompt finished in the time budget: what the warm-up took
+        warm = report.get("config", {}).get("notes", {}).get("warmup_seconds", {})
+        return ("No prompt finished. Warm-up, untimed (a compiled or captured method compiles there): "
+                + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items()) + ".\n")
     cats = list(next(iter(methods.values()))["categories"])
     compiled = compiled_name(methods)  # the second baseline's column, when the run has it
     head = "| method | " + " | ".join(cats) + " | overall |" + (" vs compiled |" if compiled else "") + \

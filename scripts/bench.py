@@ -25,6 +25,7 @@ import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
+from tokenmaxx.heads.capture import BACKENDS, set_capture_backend
 from tokenmaxx.heads.machine import clock
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
 from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
@@ -80,6 +81,10 @@ class BenchArgs:
                 "it (judged by the last prompt's time), and the prompts take their categories in turn, so a run cut "
                 "short covers each about equally. The report says how many prompts ran"})
 
+    capture_backend: str | None = field(default=None, metadata={
+        "help": "how captured rounds (on an accelerator) compile: inductor (the default: the fastest rounds, tens of "
+                "seconds a graph on a GPU) or cudagraphs (the eager kernels recorded: seconds a graph)"})
+
     batch_sizes: str | None = field(default=None, metadata={
         "help": "comma list of batch sizes (e.g. 1,2,4,8,16): instead of the per-prompt methods, batched "
                 "generation (--draft drafting, the shipped or --heads heads) against transformers' batched greedy "
@@ -105,6 +110,9 @@ class BenchArgs:
             raise ValueError(f"--limit must be positive, got {self.limit}")
         if not Path(self.prompts).is_file():
             raise ValueError(f"--prompts {self.prompts}: no such file (a Spec-Bench-style .jsonl of prompts)")
+        if self.capture_backend is not None and self.capture_backend not in BACKENDS:
+            raise ValueError(f"unknown --capture_backend {self.capture_backend!r}: expected one of "
+                             f"{', '.join(BACKENDS)}")
         if self.draft not in DRAFT_MODES:
             raise ValueError(f"unknown --draft {self.draft!r}: expected one of {', '.join(DRAFT_MODES)}")
 
@@ -229,10 +237,13 @@ def probe_compiled(methods: dict, notes: dict, prompt, model) -> None:
 
 
 def build_report(args: BenchArgs, model, prompts, results, notes: dict) -> dict:
-    """The report of the prompts every method has run (all of them, or those done before the run ended)."""
+    """The report of the prompts every method has run (all of them, or those done before the run ended; none: each
+    method's warm-up seconds alone, where its compiles went)."""
     done = len(results["baseline"].runs)
-    summary = summarize(results, prompts)
+    summary = summarize(results, prompts) if done else {}
     notes = dict(notes)
+    if not done:
+        notes["warmup_seconds"] = {name: round(res.warmup_seconds, 3) for name, res in results.items()}
     lookups = {k: v for k, v in summary.items() if k.startswith("prompt_lookup:")}
     if lookups:  # report the best setting as prompt_lookup
         best = max(lookups, key=lambda k: lookups[k]["overall"]["tokens_per_s"])
@@ -263,6 +274,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    set_capture_backend(args.capture_backend)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
     args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
@@ -286,7 +298,7 @@ def main(argv=None) -> int:
     results = run_benchmark(model, methods, prompts, args.max_new_tokens, warmup=args.warmup,
                             after_prompt=after_prompt, deadline=deadline)
     done = len(results["baseline"].runs)
-    if not done:
+    if not done:  # (its report holds the warm-up's seconds)
         raise ValueError(f"--time_budget {args.time_budget:g} s ended the run before its first prompt (loading, "
                          "measuring and the warm-up took it): give it more time")
     if done < len(prompts):

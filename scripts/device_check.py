@@ -223,7 +223,7 @@ def identity_lines(identity: dict | None) -> tuple[list[str], bool]:
     """fp32 greedy identity per method (from a bench run): lines of the report, and whether every mode held."""
     if identity is None:
         return ["- no result (the step failed or ran out of time)"], False
-    ok, lines = True, []
+    ok, lines = bool(identity["methods"]), []  # (no prompt finished: nothing held)
     if "config" in identity:  # how many prompts ran (a run stopped by its time budget says so)
         lines.append(f"- {identity['config']['prompt_count']} prompts{_coverage(identity)}")
     for name, res in identity["methods"].items():

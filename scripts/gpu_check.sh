@@ -16,20 +16,23 @@
 #                 says how many ran): eager `generate`, compiled static-cache `generate`, transformers' prompt
 #                 lookup, our lookup, the default (EAGLE-3) heads with their own tree and tree="auto" (calibrated
 #                 on 4 prompts of 64 tokens), the hybrid with its own tree and "auto", the Medusa hybrid; tokens/s,
-#                 speedup over both baselines, tau; the compiled baseline compiles in the warm-up (~1 min)         150 s
-#   4. fast_tier  the quick tier of the decoding tests (tiny random models built from a config; 145 tests, 30 s on a
+#                 speedup over both baselines, tau; compiling comes first and is untimed (the compiled baseline's
+#                 decode step, our verify at 2-3 tree sizes, the heads' passes: inductor, roughly 20 s a graph on a
+#                 GPU's host), its seconds in the report, which is saved after the warm-up too                    190 s
+#   4. fast_tier  the quick tier of the decoding tests (tiny random models built from a config; 187 tests, 41 s on a
 #                 CPU) with every tensor on the device (TOKENMAXX_TEST_DEVICE): greedy identity, tree-verify logits
 #                 vs per-path forwards on the device's SDPA kernels, per-round sampling distributions, MTP, lookup;
-#                 CPU-only behaviour checked on the CPU (the on_cpu fixture)                                       110 s
+#                 CPU-only behaviour checked on the CPU (the on_cpu fixture)                                        90 s
 #   5. identity   greedy token identity vs plain `generate` on the real backbone in fp32, every drafting mode,
-#                 on up to 6 prompts (stopping in time by itself, said so)                                          70 s
+#                 on up to 6 prompts (stopping in time by itself, said so), its rounds captured as CUDA graphs of
+#                 the eager kernels (--capture_backend cudagraphs: fp32 graphs are new compiles, seconds each so)   70 s
 #   6. latency    the verify-latency curve: one forward of 1..128 tree tokens over a 256-token cache, bf16          20 s
 #   7. twin       the sizes users run: random-weight Llama-3.1-8B and Qwen2.5-7B shapes made on the GPU in bf16
 #                 (nothing travels), random EAGLE-3 heads: decode ms per token, the verify curve at caches of 256
 #                 and 1,024, and an oracle drafter (the backbone's own continuation, every node accepted) at
-#                 depths 3, 5 and 7: speedup over eager decoding against tau                                        60 s
+#                 depths 3, 5 and 7: speedup over eager decoding against tau                                        50 s
 #   8. batch      batched generation (hybrid) against transformers' batched `generate` at 8, 16 and 64 rows of
-#                 the 12 prompts of --limit 2, bf16, one repeat, no batch started past its time budget              50 s
+#                 the 12 prompts of --limit 2, bf16, one repeat, no batch started past its time budget              40 s
 #   9. report     OUT/report.md; exit 1 if a step failed or fp32 identity broke
 # The budgets sum to 560 s; a step's budget is cut to what is left before GPU_CHECK_DEADLINE (565 s after the start),
 # and the call's timeout_s is 600 (the most a call may run). Device time: the start (1-3 min) + two receiving calls (seconds each) + this call
@@ -252,8 +255,8 @@ else
           tests/test_batch.py)
     ID_ARGS=(--limit 1 --max_new_tokens 64 --warmup 1) SIZES=1,2,4,8,16,32,64,96,128 REPEATS=10
     BENCH_ARGS=(--limit 4 --max_new_tokens 128 --warmup 1)  # 24 dev prompts where the budget allows
-    declare -A BUDGET=([setup]=80 [env]=20 [bench]=150 [fast_tier]=110 [identity_fp32]=70 [latency]=20 [twin]=60
-                       [batch]=50)  # 560 s
+    declare -A BUDGET=([setup]=80 [env]=20 [bench]=190 [fast_tier]=90 [identity_fp32]=70 [latency]=20 [twin]=50
+                       [batch]=40)  # 560 s
     # issue 48's GPU sizes: 8 (its bar), 16 and 64 rows of the 12 prompts of --limit 2, one repeat
     BATCH_ARGS=(--batch_sizes 8,16,64 --limit 2 --max_new_tokens 128 --repeats 1)
     TWIN_ARGS=()
@@ -314,7 +317,8 @@ step bench "${BENCH[@]}" --dtype $DTYPE --out "$WORK/bench" --time_budget "$(all
 step fast_tier env TOKENMAXX_TEST_DEVICE="$DEV" $PY -m pytest -q -p no:cacheprovider -m "not real and not slow" \
     "${FAST[@]}"
 step identity_fp32 "${BENCH[@]}" --dtype float32 --out "$WORK/identity_fp32" --time_budget \
-    "$(allowed identity_fp32 10)" --methods baseline,tokenmaxx,hybrid,medusa,medusa_hybrid,lookup "${ID_ARGS[@]}"
+    "$(allowed identity_fp32 10)" --methods baseline,tokenmaxx,hybrid,medusa,medusa_hybrid,lookup "${ID_ARGS[@]}" \
+    --capture_backend cudagraphs
 step latency $PY scripts/device_check.py latency --device "$DEV" --dtype $DTYPE --sizes $SIZES \
     --repeats $REPEATS --threads $THREADS --out "$WORK/latency.json"
 step twin $PY scripts/device_check.py twin --device "$DEV" --dtype $DTYPE --threads $THREADS --out "$WORK/twin.json" \

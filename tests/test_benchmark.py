@@ -89,6 +89,28 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+def test_a_bench_whose_budget_ends_before_its_first_prompt_says_so_and_keeps_the_warm_up(tmp_path):
+    """The time budget gone before a prompt (on a GPU: the compiles of the warm-up): one error line, and the report
+    holds each method's warm-up seconds. A bad capture backend is refused up front."""
+    model, tok = tiny_model("llama", seed=11), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["what is two plus two?"]}))
+    out = tmp_path / "bench"
+    args = [sys.executable, str(REPO / "scripts" / "bench.py"), "--backbone", str(tmp_path / "tiny"), "--heads",
+            "untrained", "--dtype", "float32", "--threads", "1", "--max_new_tokens", "4", "--prompts", str(prompts),
+            "--methods", "baseline,lookup", "--warmup", "1", "--out", str(out)]
+    bad = subprocess.run(args + ["--capture_backend", "tensorrt"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown --capture_backend 'tensorrt'" in bad.stderr
+    proc = subprocess.run(args + ["--time_budget", "0.001"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "ended the run before its first prompt" in proc.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["methods"] == {} and report["config"]["prompt_count"] == 0
+    assert set(report["config"]["notes"]["warmup_seconds"]) == {"baseline", "lookup"}
+    assert out.with_suffix(".md").read_text().startswith("No prompt finished. Warm-up, untimed")
+
+
 def _prompts(n: int, categories=("qa", "math")) -> list[Prompt]:
     ids = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5]])
     return [Prompt(i, categories[i % len(categories)], ids) for i in range(n)]
@@ -118,8 +140,8 @@ def test_the_compiled_static_cache_baseline_goes_through_torch_compile_and_gener
 
 
 def test_a_run_stopped_at_its_deadline_keeps_and_summarizes_the_prompts_it_finished():
-    """Each prompt's results are handed on as soon as every method ran it (bench.py saves them then); no prompt starts
-    that would end after the deadline, judged by the last prompt's time."""
+    """The warm-up's and then each prompt's results are handed on as soon as every method ran it (bench.py saves them
+    then); no prompt starts that would end after the deadline, judged by the last prompt's time."""
     def slow(input_ids, max_new_tokens):
         time.sleep(0.5)
         return [5, 6, 7], None
@@ -128,7 +150,8 @@ def test_a_run_stopped_at_its_deadline_keeps_and_summarizes_the_prompts_it_finis
     results = run_benchmark(model, {"baseline": slow}, prompts, 3, warmup=0, progress=False,
                             after_prompt=lambda results, done: seen.append((done, len(results["baseline"].runs))),
                             deadline=time.perf_counter() + 0.6)
-    assert seen == [(1, 1)] and sorted(results["baseline"].runs) == [0]  # the second would have ended at ~1.0 s
+    assert seen == [(0, 0), (1, 1)]  # after the warm-up (its seconds), then the first prompt
+    assert sorted(results["baseline"].runs) == [0]  # the second would have ended at ~1.0 s
     summary = summarize(results, prompts)
     assert summary["baseline"]["overall"]["prompts"] == 1 and set(summary["baseline"]["categories"]) == {"qa"}
     assert [r["question_id"] for r in prompt_rows(results, prompts)] == [0]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import OnTestDevice
+from helpers import BENCH, OnTestDevice
 
 from tokenmaxx.heads import BACKBONES, import_gguf
 from tokenmaxx.heads.io.backbones import _data_file
@@ -241,6 +241,21 @@ def test_the_report_says_how_much_of_a_bench_stopped_by_its_time_budget_ran(tmp_
     device_check.main(["report", str(work), str(tmp_path / "out")])
     report = (tmp_path / "out" / "report.md").read_text()
     assert "9 prompts, 128 new tokens each (stopped at its time budget: 9 of 24 prompts)" in report
+
+
+def test_a_bench_that_compiled_past_its_budget_reports_the_warm_up_and_no_identity_is_a_failure(tmp_path):
+    """A bench whose warm-up (its compiles) left no time for a prompt keeps each method's warm-up seconds, and the
+    report says them; an identity run that finished no prompt fails the check instead of holding vacuously."""
+    work = _work(tmp_path, 1.0, {"bench": 1, "identity_fp32": 1})
+    empty = {"config": {**BENCH["config"], "prompt_count": 0, "prompts_planned": 24,
+                        "notes": {"warmup_seconds": {"baseline": 0.5, "hybrid": 61.25}}},
+             "machine": {"dtype": "bfloat16"}, "methods": {}}
+    (work / "bench.json").write_text(json.dumps(empty))
+    (work / "identity_fp32.json").write_text(json.dumps(empty))
+    status = device_check.main(["report", str(work), str(tmp_path / "out")])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "No prompt finished. Warm-up, untimed" in report and "hybrid 61.2 s" in report
+    assert status == 1 and "## Verdict: FAIL (steps failed: bench, identity_fp32; fp32 identity)" in report
 
 
 def test_the_test_device_mode_makes_tensors_on_the_device_and_draws_on_the_cpu():

@@ -160,6 +160,7 @@ def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_n
         return real(fn, backend=counters.setdefault(fn.__qualname__, CompileCounter()), dynamic=False)
 
     monkeypatch.setattr(capture_module.torch, "compile", counting_compile)
+    torch._dynamo.reset()  # (dynamo would reuse graphs an earlier test compiled from the same code, uncounted)
     model = tiny_model("llama", seed=3)
     gen = SpeculativeGenerator(model, random_eagle3(model, scale=0.05), draft="hybrid", cache="static", capture=True)
     compiled = []
@@ -176,6 +177,33 @@ def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_n
                             capture=True)
     assert all(same) and tau > 3.0
     assert {name: c.frame_count for name, c in counters.items() if name not in seen} == {"OracleMTP.step": 1}
+
+
+def test_the_capture_backend_is_chosen_by_setting_or_environment_and_checked(monkeypatch):
+    """Captured calls compile with inductor in "reduce-overhead" mode by default, with CUDA graphs of the eager
+    kernels under "cudagraphs" (set in code or by TOKENMAXX_CAPTURE_BACKEND); a call keeps a compiled version per
+    backend; an unknown name is refused, naming the choices."""
+    seen = []
+    monkeypatch.setattr(capture_module.torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    monkeypatch.delenv("TOKENMAXX_CAPTURE_BACKEND", raising=False)
+    module, x = torch.nn.Linear(2, 2), torch.ones(1, 2)
+    try:
+        capture_module.captured(module, "forward", module.forward, x)
+        monkeypatch.setenv("TOKENMAXX_CAPTURE_BACKEND", "cudagraphs")
+        capture_module.captured(module, "forward", module.forward, x)
+        capture_module.captured(module, "forward", module.forward, x)  # (compiled once per backend)
+        capture_module.set_capture_backend("inductor")  # the setting before the environment
+        assert capture_module.capture_backend() == "inductor"
+        with pytest.raises(ValueError, match=r"capture backend must be one of \['cudagraphs', 'inductor'\], got 'trt'"):
+            capture_module.set_capture_backend("trt")
+        capture_module.set_capture_backend(None)
+        monkeypatch.setenv("TOKENMAXX_CAPTURE_BACKEND", "trt")
+        with pytest.raises(ValueError, match="TOKENMAXX_CAPTURE_BACKEND must be one of"):
+            capture_module.captured(module, "forward", module.forward, x)
+    finally:
+        capture_module.set_capture_backend(None)
+    assert [kw.get("backend") for kw in seen] == ["inductor", "cudagraphs"]
+    assert seen[0]["mode"] == "reduce-overhead" and "mode" not in seen[1] and not seen[0]["dynamic"]
 
 
 class ReplayedOutputs:
