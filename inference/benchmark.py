@@ -150,8 +150,9 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
     backbone's device before the clock starts, and the clock waits for the device (``heads.machine.clock``).
 
     ``after_prompt(results, done)``: called after the warm-up (``done`` 0) and once every method has run prompt
-    ``done - 1`` (bench.py saves its report there, so a run killed later keeps what it finished). ``deadline`` (a ``time.perf_counter()`` value): no prompt is
-    started that would end after it, judged by the last prompt's time; the results then hold the prompts before it."""
+    ``done - 1`` (bench.py saves its report there, so a run killed later keeps what it finished). ``deadline`` (a
+    ``time.perf_counter()`` value): no prompt is started that would end after it, judged by the last prompt's time;
+    the results then hold the prompts before it."""
     from tqdm.auto import tqdm
 
     if "baseline" not in methods:
