@@ -28,10 +28,10 @@ RECOMPILE_LIMIT = 64  # graphs dynamo keeps per function before it runs new shap
 # One code object can serve several captured calls (transformers' forward decorators wrap every model's forward in
 # one ``wrapper``), and each (bucket, cache length) is a graph: 8 can run out in one process with two backbones.
 
-BACKENDS = {  # how a captured call is compiled: torch.compile's keywords
-    # generated (fused) kernels, replayed as CUDA graphs: the fastest calls; on a GPU tens of seconds to compile a graph
+BACKENDS = {  # how a captured call is compiled: torch.compile's keywords (compile times: docs/benchmarks.md)
+    # generated (fused) kernels, replayed as CUDA graphs: the fastest calls, the longest compiles
     "inductor": {"backend": "inductor", "mode": "reduce-overhead"},
-    # the eager kernels recorded as CUDA graphs: the host's launches gone, not the kernels' count; seconds a graph
+    # the eager kernels recorded as CUDA graphs: the host's launches gone, not the kernels' count; no code generated
     "cudagraphs": {"backend": "cudagraphs"},
 }
 _backend: str | None = None  # set_capture_backend's choice; None: TOKENMAXX_CAPTURE_BACKEND, else "inductor"
@@ -60,7 +60,7 @@ def capture_backend() -> str:
 
 def captured(module: nn.Module, name: str, fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)`` through its compiled version (one per ``module``, ``name`` and backend; a graph per
-    input shape); eagerly once compiling failed, which is said once per module and name."""
+    input shape); eagerly once compiling failed, which is said once per module, name and backend."""
     compiled = _COMPILED.setdefault(module, {})
     key = (name, capture_backend())
     if key not in compiled:

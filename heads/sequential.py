@@ -20,6 +20,8 @@ Letters: B batch, T time, D depths, H hidden size, F backbone feature size, V vo
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,9 @@ from .modeling import DraftHeads
 
 MODULE_CACHE = 2048  # entries a captured drafter's module cache starts with (doubled when a generation needs more)
 MODULE_BUCKETS = (16, 64)  # query counts a captured module pass is padded to (past the last, its multiples)
+_CAPTURED_CACHES = threading.local()  # .by_heads: heads -> the module cache its captured drafters in this thread
+# use, one generation at a time (a drafter lives for one generation; the recorded graphs hold the cache's addresses,
+# which a new cache per generation would move, and every graph would be recorded again)
 
 
 class SequentialHeads(DraftHeads):
@@ -208,17 +213,26 @@ class SequentialDrafter:
         return self.length
 
     def _new_cache(self, size: int):
-        """An empty module cache: grown per pass (``DynamicCache``), or preallocated for ``size`` entries when the
-        passes are captured (``StaticCache``: fixed addresses and mask widths; its layers allocated now, so that the
-        first captured pass sees the cache every later pass sees, and compiles no graph of its own)."""
+        """An empty module cache: grown per pass (``DynamicCache``), or, when the passes are captured, this thread's
+        preallocated cache of these heads, of at least ``size`` entries (``StaticCache``: fixed addresses and mask
+        widths, kept across generations; its layers allocated up front, so that the first captured pass sees the cache
+        every later pass sees, and compiles no graph of its own). Each pass masks the entries it does not keep."""
         if not self.capture:
             return DynamicCache()
-        config = self.heads.layer_config
-        cache = StaticCache(config=config, max_cache_len=size)
-        heads = config.num_attention_heads
-        cache.early_initialization(1, getattr(config, "num_key_value_heads", None) or heads,
-                                   getattr(config, "head_dim", None) or config.hidden_size // heads,
-                                   self.heads.dtype, self.device)
+        pool = getattr(_CAPTURED_CACHES, "by_heads", None)
+        if pool is None:
+            pool = _CAPTURED_CACHES.by_heads = weakref.WeakKeyDictionary()
+        cache = pool.get(self.heads)
+        layer = cache.layers[0] if cache is not None else None
+        if layer is None or layer.max_cache_len < size or layer.keys.device != self.device \
+                or layer.keys.dtype != self.heads.dtype:
+            config = self.heads.layer_config
+            cache = StaticCache(config=config, max_cache_len=size)
+            heads = config.num_attention_heads
+            cache.early_initialization(1, getattr(config, "num_key_value_heads", None) or heads,
+                                       getattr(config, "head_dim", None) or config.hidden_size // heads,
+                                       self.heads.dtype, self.device)
+            pool[self.heads] = cache
         return cache
 
     def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -239,6 +253,7 @@ class SequentialDrafter:
             self._reserve(width + extra)
             for layer in self.cache.layers:
                 layer.cumulative_length.fill_(width - n)
+            prev = prev.contiguous()  # (an expanded state has stride 0: a graph of its own)
             if extra:
                 prev = F.pad(prev, (0, 0, 0, extra))
                 tokens, positions = F.pad(tokens, (0, extra)), F.pad(positions, (0, extra))
@@ -262,7 +277,7 @@ class SequentialDrafter:
             return
         while size < width:
             size *= 2
-        old, self.cache = self.cache, self._new_cache(size)
+        old, self.cache = self.cache, self._new_cache(size)  # (a new, larger one: this thread's from now on)
         for layer, was in zip(self.cache.layers, old.layers):
             layer.keys[:, :, : was.max_cache_len] = was.keys
             layer.values[:, :, : was.max_cache_len] = was.values
@@ -279,8 +294,7 @@ class SequentialDrafter:
         input_ids, hidden = prefill.input_ids, prefill.hidden
         prompt_len = input_ids.shape[0]
         first = max(0, prompt_len - 1 - self.heads.config.num_heads)
-        if not self.capture:  # a preallocated cache is kept (its addresses are in the recorded graphs): each pass
-            self.cache = self._new_cache(MODULE_CACHE)  # masks what it does not keep
+        self.cache = self._new_cache(MODULE_CACHE)
         self.length = 0
         self.next_position = first
         self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)

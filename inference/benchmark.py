@@ -149,10 +149,10 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
     """Interleaved per prompt, rotating the method order; ``baseline`` must be one of the methods. Prompts go to the
     backbone's device before the clock starts, and the clock waits for the device (``heads.machine.clock``).
 
-    ``after_prompt(results, done)``: called after the warm-up (``done`` 0) and once every method has run prompt
-    ``done - 1`` (bench.py saves its report there, so a run killed later keeps what it finished). ``deadline`` (a
-    ``time.perf_counter()`` value): no prompt is started that would end after it, judged by the last prompt's time;
-    the results then hold the prompts before it."""
+    ``after_prompt(results, done)``: called after each method's warm-up and after the warm-up (``done`` 0), and once
+    every method has run prompt ``done - 1`` (bench.py saves its report there, so a run killed later keeps what it
+    finished). ``deadline`` (a ``time.perf_counter()`` value): no warm-up and no prompt is started after it, nor a
+    prompt that would end after it, judged by the last prompt's time; the results then hold the prompts before it."""
     from tqdm.auto import tqdm
 
     if "baseline" not in methods:
@@ -163,10 +163,14 @@ def run_benchmark(model, methods: dict[str, Callable], prompts: list[Prompt], ma
     with torch.inference_mode():
         for prompt in prompts[:warmup]:
             for name in names:
+                if deadline is not None and time.perf_counter() > deadline:
+                    break  # (no prompt will start either)
                 start = clock(device)
                 methods[name](prompt.input_ids.to(device), min(16, max_new_tokens))
                 results[name].warmup_seconds += clock(device) - start
-        if after_prompt is not None:  # the warm-up's seconds (a compile that used up the time budget) are saved too
+                if after_prompt is not None:  # each warm-up's seconds (where compiles go) saved as it ends
+                    after_prompt(results, 0)
+        if after_prompt is not None:  # (also when there was none, or the deadline cut it)
             after_prompt(results, 0)
         bar = tqdm(prompts, desc="bench", disable=not progress)
         last = 0.0  # seconds the last prompt took, every method
@@ -279,10 +283,9 @@ def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
 
 def markdown_table(report: dict) -> str:
     methods = report["methods"]
+    notes = report.get("config", {}).get("notes", {})
     if not methods:  # no prompt finished in the time budget: what the warm-up took
-        warm = report.get("config", {}).get("notes", {}).get("warmup_seconds", {})
-        return ("No prompt finished. Warm-up, untimed (a compiled or captured method compiles there): "
-                + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items()) + ".\n")
+        return "No prompt finished. " + _warmup_line(notes.get("warmup_seconds", {}), notes)
     cats = list(next(iter(methods.values()))["categories"])
     compiled = compiled_name(methods)  # the second baseline's column, when the run has it
     head = "| method | " + " | ".join(cats) + " | overall |" + (" vs compiled |" if compiled else "") + \
@@ -304,12 +307,7 @@ def markdown_table(report: dict) -> str:
                   "cache, its decode step through torch.compile).\n")
     warm = {name: m["warmup_seconds"] for name, m in methods.items() if "warmup_seconds" in m}
     if warm:  # (records before it have none)
-        compiled_first = report.get("config", {}).get("notes", {}).get("compile_seconds", {})
-        table += ("Warm-up, untimed (a compiled or captured method compiles there): "
-                  + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items())
-                  + "".join(f"; {name} compiled before it in {seconds:.1f} s"
-                            for name, seconds in compiled_first.items())
-                  + ".\n")
+        table += _warmup_line(warm, notes)
     ours = {name: m["overall"] for name, m in methods.items() if "heads_round_share" in m["overall"]}
     if ours:  # where a round's time went, per tokenmaxx method
         table += ("\n| method | heads proposed in | propose | verify | accept | commit | accepted heads / lookup / both |"
@@ -321,6 +319,18 @@ def markdown_table(report: dict) -> str:
                       f" | {share['heads']:.0%} / {share['lookup']:.0%} / {share['both']:.0%} |\n")
         table += "\nPer round of each tokenmaxx method (mean over its rounds).\n"
     return table
+
+
+def _warmup_line(warm: dict[str, float], notes: dict) -> str:
+    """The methods' untimed warm-up seconds, the compiled baselines' compile seconds, and the captured calls that fell
+    back to eager (``notes``: the bench's)."""
+    line = ("Warm-up, untimed (a compiled or captured method compiles there): "
+            + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items())
+            + "".join(f"; {name} compiled before it in {seconds:.1f} s"
+                      for name, seconds in notes.get("compile_seconds", {}).items()) + ".\n")
+    if notes.get("capture_fallbacks"):
+        line += "Captured calls that fell back to eager: " + "; ".join(notes["capture_fallbacks"]) + ".\n"
+    return line
 
 
 def plot(report: dict, path: str | Path) -> None:

@@ -109,9 +109,11 @@ def transposed_linears(model: nn.Module, plan: Plan, rows: int | None = None) ->
 
 
 CACHES = ("dynamic", "static")
+_STATIC = threading.local()  # .kv: this thread's last static cache (``ForwardContext.static_cache``)
 MIN_STATIC = 1024  # the smallest static cache (positions): most generations fit it, so one shape serves them
 MIN_CAPTURED = 4096  # ... when its forwards are captured: each cache length is another graph per bucket (a compile),
-# and prompts of a few thousand tokens are common; a wider mask costs a GPU's attention little next to its weights
+# and prompts of a few thousand tokens are common; the price is each verify attending over the whole cache (its
+# keys and values read beside the weights: a larger share for a small backbone), which the device check measures
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,6 @@ class ForwardContext:
     cache: str = "dynamic"  # the generation's KV cache: "dynamic" (grown, cropped) or "static" (``kv.StaticKV``)
     capture: bool = False  # compile each verify shape once (``torch.compile(mode="reduce-overhead")``: CUDA graphs
     # on a GPU), falling back to eager with a ``CaptureFallbackWarning``; needs the static cache (fixed shapes)
-    _pool: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "small_rows", as_plan(self.small_rows))
@@ -134,15 +135,17 @@ class ForwardContext:
 
     def static_cache(self, model, positions: int):
         """A ``kv.StaticKV`` for a generation of up to ``positions`` positions (prompt, new tokens, the largest padded
-        tree): this thread's last one when it is for ``model`` and large enough, else a new one of the next power of
-        two (at least ``MIN_STATIC``, or ``MIN_CAPTURED`` when captured; at most the power of two that holds the model's
-        context) positions. Reusing one cache keeps its tensors at one address and its mask at one width: a captured
-        forward is compiled and recorded once, not per prompt length. Captured verifies pad trees to the few sizes of ``kv.CAPTURE_BUCKETS`` (one compile each),
-        others to ``kv.BUCKETS``."""
+        tree): this thread's last one when it is for ``model`` and these tree sizes and large enough (whichever
+        generator made it: a thread runs one generation at a time), else a new one of the next power of two (at least
+        ``MIN_STATIC``, or ``MIN_CAPTURED`` when captured; at most the power of two that holds the model's context)
+        positions. Reusing one cache keeps its tensors at one address and its mask at one width: a captured forward is
+        compiled and recorded once, not per prompt length or generator. Captured verifies pad trees to the few sizes
+        of ``kv.CAPTURE_BUCKETS`` (one compile each), others to ``kv.BUCKETS``."""
         from .kv import BUCKETS, CAPTURE_BUCKETS, StaticKV  # (kv imports nothing of this module's users)
 
-        kv = getattr(self._pool, "kv", None)
-        if kv is None or kv.model_ref() is not model or kv.max_len < positions:
+        buckets = CAPTURE_BUCKETS if self.capture else BUCKETS
+        kv = getattr(_STATIC, "kv", None)
+        if kv is None or kv.model_ref() is not model or kv.buckets != buckets or kv.max_len < positions:
             def power_of_two(n: int) -> int:
                 return 1 << (n - 1).bit_length()
 
@@ -150,8 +153,7 @@ class ForwardContext:
             context = getattr(model.config, "max_position_embeddings", None)  # (no generation needs more)
             if context:
                 length = min(length, power_of_two(max(context, positions)))
-            kv = StaticKV(model, length, buckets=CAPTURE_BUCKETS if self.capture else BUCKETS)
-            self._pool.kv = kv
+            kv = _STATIC.kv = StaticKV(model, length, buckets=buckets)
         return kv
 
     def __call__(self, model, **inputs):

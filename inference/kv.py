@@ -7,8 +7,8 @@ and fixed addresses instead. ``StaticKV`` gives both:
 
 - the cache is transformers' ``StaticCache`` (its layers' key/value tensors allocated once for ``max_len``
   positions, written where each layer's ``cumulative_length`` points);
-- a tree of N nodes is verified padded to ``bucket(N)``, the smallest of a few sizes (``BUCKETS``): the padding nodes
-  see only the prefix and themselves and no real node sees them, so the real nodes' logits are those of the unpadded
+- a tree of N nodes is verified padded to ``bucket(N, BUCKETS)``, the smallest of a few sizes: the padding nodes see
+  only the prefix and themselves and no real node sees them, so the real nodes' logits are those of the unpadded
   tree; the attention mask spans the whole cache ([1, 1, B, max_len]), hiding every position past the tree;
 - ``commit`` gathers the accepted path's entries to the positions after the prefix and sets the write position
   there; stale entries past it stay, masked, until the next verify overwrites them.

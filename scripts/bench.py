@@ -18,6 +18,8 @@ import json
 import os
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
-from tokenmaxx.heads.capture import BACKENDS, set_capture_backend
+from tokenmaxx.heads.capture import BACKENDS, CaptureFallbackWarning, capture_backend, set_capture_backend
 from tokenmaxx.heads.machine import clock
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
 from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
@@ -82,8 +84,9 @@ class BenchArgs:
                 "short covers each about equally. The report says how many prompts ran"})
 
     capture_backend: str | None = field(default=None, metadata={
-        "help": "how captured rounds (on an accelerator) compile: inductor (the default: the fastest rounds, tens of "
-                "seconds a graph on a GPU) or cudagraphs (the eager kernels recorded: seconds a graph)"})
+        "help": "how captured rounds (on an accelerator) compile: inductor (the default: generated kernels, the "
+                "fastest rounds, the longest compiles) or cudagraphs (the eager kernels recorded, no code generated); "
+                "default: TOKENMAXX_CAPTURE_BACKEND, else inductor"})
 
     batch_sizes: str | None = field(default=None, metadata={
         "help": "comma list of batch sizes (e.g. 1,2,4,8,16): instead of the per-prompt methods, batched "
@@ -270,11 +273,36 @@ def save(out: Path, report: dict, rows: list[dict]) -> str:
     return table
 
 
+@contextmanager
+def recording_fallbacks(into: list[str]):
+    """Inside: each ``CaptureFallbackWarning`` said is appended to ``into`` (the report's notes) and still shown."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CaptureFallbackWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):
+            if issubclass(category, CaptureFallbackWarning):
+                into.append(str(message))
+            shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv=None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     set_capture_backend(args.capture_backend)
+    args.capture_backend = capture_backend()  # (the record says what ran, the environment's choice too)
+    fallbacks: list[str] = []
+    with recording_fallbacks(fallbacks):
+        return bench(args, started, fallbacks)
+
+
+def bench(args: BenchArgs, started: float, fallbacks: list[str]) -> int:
+    """main's run: the batch bench, or the per-prompt methods; ``fallbacks`` collects the captured calls that fell
+    back to eager, for the report."""
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
     args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
@@ -284,6 +312,7 @@ def main(argv=None) -> int:
         prompts = interleave_categories(prompts)
     longest = max(p.input_ids.shape[1] for p in prompts) + args.max_new_tokens
     methods, notes = build_methods(args, model, tokenizer, max_cache_len=longest)
+    notes["capture_fallbacks"] = fallbacks  # (filled as they are said)
     for name, note in notes.items():
         if isinstance(note, str):
             print(f"{name}: {note}", file=sys.stderr)

@@ -220,7 +220,8 @@ def _pytest_summary(log: Path) -> str:
 
 
 def identity_lines(identity: dict | None) -> tuple[list[str], bool]:
-    """fp32 greedy identity per method (from a bench run): lines of the report, and whether every mode held."""
+    """fp32 greedy identity per method (from a bench run): lines of the report, and whether every mode held, through
+    its captured rounds (a captured call that fell back to eager fails it)."""
     if identity is None:
         return ["- no result (the step failed or ran out of time)"], False
     ok, lines = bool(identity["methods"]), []  # (no prompt finished: nothing held)
@@ -233,6 +234,10 @@ def identity_lines(identity: dict | None) -> tuple[list[str], bool]:
         ok &= rate == 1.0
         lines.append(f"- {name}: {rate:.0%} of {res['overall']['prompts']} prompts token-identical "
                      f"(tau {res['overall']['tau']})")
+    fell_back = identity.get("config", {}).get("notes", {}).get("capture_fallbacks") or []
+    if fell_back:  # identical, but not through the captured rounds the check is for
+        ok = False
+        lines.append("- captured calls fell back to eager: " + "; ".join(fell_back))
     return lines, ok
 
 

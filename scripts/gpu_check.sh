@@ -17,10 +17,10 @@
 #                 lookup, our lookup, the default (EAGLE-3) heads with their own tree and tree="auto" (calibrated
 #                 on 4 prompts of 64 tokens), the hybrid with its own tree and "auto", the Medusa hybrid; tokens/s,
 #                 speedup over both baselines, tau; compiling comes first and is untimed (the compiled baseline's
-#                 decode step, our verify at 2-3 tree sizes, the heads' passes: inductor, roughly 20 s a graph on a
-#                 GPU's host), its seconds in the report, which is saved after the warm-up too                    190 s
-#   4. fast_tier  the quick tier of the decoding tests (tiny random models built from a config; 187 tests, 41 s on a
-#                 CPU) with every tensor on the device (TOKENMAXX_TEST_DEVICE): greedy identity, tree-verify logits
+#                 decode step, our verify at 2-3 tree sizes, the heads' passes, through inductor: see
+#                 docs/benchmarks.md), its seconds in the report, saved after each method's warm-up too           190 s
+#   4. fast_tier  the quick tier of the decoding tests (tiny random models built from a config; under a minute on
+#                 a CPU) with every tensor on the device (TOKENMAXX_TEST_DEVICE): greedy identity, tree-verify logits
 #                 vs per-path forwards on the device's SDPA kernels, per-round sampling distributions, MTP, lookup;
 #                 CPU-only behaviour checked on the CPU (the on_cpu fixture)                                        90 s
 #   5. identity   greedy token identity vs plain `generate` on the real backbone in fp32, every drafting mode,

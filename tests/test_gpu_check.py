@@ -258,6 +258,17 @@ def test_a_bench_that_compiled_past_its_budget_reports_the_warm_up_and_no_identi
     assert status == 1 and "## Verdict: FAIL (steps failed: bench, identity_fp32; fp32 identity)" in report
 
 
+def test_an_identity_run_whose_captured_calls_fell_back_fails_the_check(tmp_path):
+    work = _work(tmp_path, 1.0, {"bench": 0})
+    said = "capturing LlamaForCausalLM.forward failed (RuntimeError: no compiler); running it eagerly"
+    identity = json.loads((work / "identity_fp32.json").read_text())
+    identity["config"] = {"prompt_count": 6, "notes": {"capture_fallbacks": [said]}}
+    (work / "identity_fp32.json").write_text(json.dumps(identity))
+    assert device_check.main(["report", str(work), str(tmp_path / "out")]) == 1
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"- captured calls fell back to eager: {said}" in report and "## Verdict: FAIL (fp32 identity)" in report
+
+
 def test_the_test_device_mode_makes_tensors_on_the_device_and_draws_on_the_cpu():
     meta = torch.device("meta")
     expected = torch.randint(5, (4,), generator=torch.Generator().manual_seed(3))

@@ -145,7 +145,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_and_says_so(monkeypatch)
 
 
 @pytest.mark.capture  # (on an accelerator too: its own compile, on the eager backend)
-def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_none_after(monkeypatch):
+def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_none_after(monkeypatch, request):
     """The shapes a captured generation meets are few and fixed: the verify at its buckets, the module's pass at one
     padded width whatever the frontier's width, the accepted path's length or the prompt's. So the first generation
     compiles every graph, and prompts of other lengths, lookup branches and long rigged paths compile nothing more
@@ -161,6 +161,7 @@ def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_n
 
     monkeypatch.setattr(capture_module.torch, "compile", counting_compile)
     torch._dynamo.reset()  # (dynamo would reuse graphs an earlier test compiled from the same code, uncounted)
+    request.addfinalizer(torch._dynamo.reset)  # (nor leave its own to later tests)
     model = tiny_model("llama", seed=3)
     gen = SpeculativeGenerator(model, random_eagle3(model, scale=0.05), draft="hybrid", cache="static", capture=True)
     compiled = []
@@ -206,6 +207,30 @@ def test_the_capture_backend_is_chosen_by_setting_or_environment_and_checked(mon
     assert seen[0]["mode"] == "reduce-overhead" and "mode" not in seen[1] and not seen[0]["dynamic"]
 
 
+def test_a_captured_module_cache_is_kept_across_generations_and_grows_in_place_of_the_old():
+    """Captured drafters of one heads module in one thread use one preallocated module cache, whichever generation or
+    generator drafts (its addresses are in the recorded graphs); a generation that needs more entries replaces it with
+    a larger one, which later drafters keep."""
+    model = tiny_model("llama", seed=3)
+    heads = random_eagle3(model, scale=0.05)
+    config = DynamicTreeConfig(nodes=8, topk=4, min_mass=0)
+    first, second = heads.drafter(model, config, capture=True), heads.drafter(model, config, capture=True)
+    assert first.cache is second.cache and heads.drafter(model, config).cache is not first.cache
+    keys = first.cache.layers[0].keys
+    gens = [SpeculativeGenerator(model, heads, draft=d, cache="static", capture=True) for d in ("heads", "hybrid")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capture_module.torch, "compile", lambda fn, **kw: fn)
+        for gen in gens:
+            prompt, new = next(iter(random_prompts(1, model.config.vocab_size, seed=4)))
+            assert gen.generate(prompt, max_new_tokens=new).sequences.tolist() == \
+                greedy_reference(model, prompt, new).tolist()
+        assert heads.drafter(model, config, capture=True).cache.layers[0].keys is keys
+        grown = heads.drafter(model, config, capture=True)
+        grown._reserve(sequential.MODULE_CACHE + 1)
+        assert grown.cache.layers[0].max_cache_len == 2 * sequential.MODULE_CACHE
+        assert heads.drafter(model, config, capture=True).cache is grown.cache
+
+
 class ReplayedOutputs:
     """A stand-in for ``torch.compile(mode="reduce-overhead")`` with what CUDA graph replays do to outputs: a call's
     outputs live in the graphs' memory pool, and the next captured call (any of them: ``capture.captured`` marks a
@@ -216,7 +241,7 @@ class ReplayedOutputs:
         self.live: list[torch.Tensor] = []
 
     def compile(self, fn, **kwargs):
-        def replay(*args, **kw):
+        def replay(*args, **kw):  # (inputs are read after the overwrite, as a replay copies them in)
             for tensor in self.live:
                 tensor.fill_(float("nan"))
             out = fn(*args, **kw)
@@ -229,10 +254,12 @@ class ReplayedOutputs:
 @pytest.mark.parametrize("draft", ["hybrid", "heads", "medusa"])
 def test_no_output_of_a_captured_call_is_read_after_the_next_one(monkeypatch, draft):
     """Captured passes drafting and verifying as on a GPU, each call's outputs overwritten by the next call: every
-    round drafts the tree the uncaptured static-cache rounds draft (a kept output read after another call, such as
-    the module state of the newest anchor, would change it), and the tokens are greedy's."""
-    replayed = ReplayedOutputs()
-    monkeypatch.setattr(capture_module.torch, "compile", replayed.compile)
+    round drafts the tree the same captured rounds draft with their outputs left alone (a kept output read after
+    another call, such as the module state of the newest anchor, would change it), and the tokens are greedy's."""
+    replayed, overwriting = ReplayedOutputs(), [True]
+    monkeypatch.setattr(capture_module.torch, "compile",
+                        lambda fn, **kw: (lambda *a, **k: replayed.compile(fn)(*a, **k) if overwriting[0]
+                                          else fn(*a, **k)))
     drafted: list[list[int]] = []
 
     def recording_verify(model, cache, tokens, *args):
@@ -245,14 +272,16 @@ def test_no_output_of_a_captured_call_is_read_after_the_next_one(monkeypatch, dr
     tree = None if draft == "medusa" else "dynamic:nodes=16,topk=4,min_mass=0"  # every level a pass
     make = lambda **kw: SpeculativeGenerator(model, heads, draft="heads" if draft == "medusa" else draft,
                                              cache="static", tree=tree, **kw)
-    captured_gen, plain = make(capture=True), make(capture=False)
+    gen = make(capture=True)
     for prompt, new in [*random_prompts(2, model.config.vocab_size, seed=4),
                         *repeating_prompts(model.config.vocab_size, seed=5, n=2)]:
         drafted.clear()
-        out = captured_gen.generate(prompt, max_new_tokens=new)
+        overwriting[0] = True
+        out = gen.generate(prompt, max_new_tokens=new)
         trees = list(drafted)
         drafted.clear()
-        plain.generate(prompt, max_new_tokens=new)
+        overwriting[0] = False  # the same captured shapes, outputs left alone
+        gen.generate(prompt, max_new_tokens=new)
         assert trees == drafted
         assert out.sequences.tolist() == greedy_reference(model, prompt, new).tolist()
     assert replayed.live  # (the stand-in ran)
@@ -281,6 +310,7 @@ def test_a_static_cache_is_reused_while_it_fits():
     context = ForwardContext(cache="static")
     first = context.static_cache(model, 300)
     assert first.max_len == 1024 and context.static_cache(model, 1024) is first  # one shape for most generations
+    assert ForwardContext(cache="static").static_cache(model, 500) is first  # another generator's generation too
     assert context.static_cache(other, 10) is not first  # another backbone's
     assert context.static_cache(model, 1025).max_len == 2048
     captured = ForwardContext(cache="static", capture=True)  # each length is a graph per bucket: fewer lengths
