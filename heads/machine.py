@@ -47,6 +47,11 @@ def cpu_isa() -> str:
         return "unknown"
 
 
+def cpu_info() -> dict[str, str]:
+    """The host CPU as records name it: its model name, family/model/stepping and the vector ISA PyTorch uses."""
+    return {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa()}
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
     through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one."""

@@ -273,10 +273,9 @@ def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
     dtype, and the device the backbone ran on by name."""
     import transformers
 
-    from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_id, cpu_isa, cpu_name, device_name
+    from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_info, device_name
 
-    return {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(), "native_bf16": cpu_has_native_bf16(),
-            "threads": threads, "torch": torch.__version__,
+    return {**cpu_info(), "native_bf16": cpu_has_native_bf16(), "threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "dtype": dtype,
             "platform": platform.platform(), "device": device_name(device)}
 

@@ -116,6 +116,11 @@ MIN_CAPTURED = 4096  # ... when its forwards are captured: each cache length is 
 # keys and values read beside the weights: a larger share for a small backbone), which the device check measures
 
 
+def _power_of_two(n: int) -> int:
+    """The smallest power of two at least ``n``."""
+    return 1 << (n - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class ForwardContext:
     """How a tree-verify forward runs (see the module docstring). ``ForwardContext()`` runs the model as it is."""
@@ -146,13 +151,10 @@ class ForwardContext:
         buckets = CAPTURE_BUCKETS if self.capture else BUCKETS
         kv = getattr(_STATIC, "kv", None)
         if kv is None or kv.model_ref() is not model or kv.buckets != buckets or kv.max_len < positions:
-            def power_of_two(n: int) -> int:
-                return 1 << (n - 1).bit_length()
-
-            length = max(MIN_CAPTURED if self.capture else MIN_STATIC, power_of_two(positions))
+            length = max(MIN_CAPTURED if self.capture else MIN_STATIC, _power_of_two(positions))
             context = getattr(model.config, "max_position_embeddings", None)  # (no generation needs more)
             if context:
-                length = min(length, power_of_two(max(context, positions)))
+                length = min(length, _power_of_two(max(context, positions)))
             kv = _STATIC.kv = StaticKV(model, length, buckets=buckets)
         return kv
 

@@ -21,7 +21,6 @@ from tokenmaxx.heads.attention import shared_kv_kwargs, shares_kv_heads, use_sha
 from tokenmaxx.heads.machine import cpu_isa, device_name
 from tokenmaxx.heads import machine
 from tokenmaxx.inference import EmulatedBf16Warning, SpeculativeGenerator, generator, verify
-from tokenmaxx.inference.measure import store
 from tokenmaxx.inference.benchmark import Prompt, hf_method, run_benchmark
 from tokenmaxx.inference.measure.store import calibration_key, machine_fingerprint
 from tokenmaxx.inference.decoding import tree_attention_bias
@@ -207,7 +206,7 @@ def test_calibration_keys_tell_cpu_instruction_sets_apart(monkeypatch):
     assert cpu_isa() == torch.backends.cpu.get_cpu_capability()
     keys = set()
     for isa in ("AVX512", "AVX2"):
-        monkeypatch.setattr(store, "cpu_isa", lambda isa=isa: isa)
+        monkeypatch.setattr("tokenmaxx.heads.machine.cpu_isa", lambda isa=isa: isa)
         machine = machine_fingerprint(model)
         assert machine["cpu_isa"] == isa
         keys.add(calibration_key(model, heads, machine))

@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, DynamicTreeConfig, HeadsConfig, backbone_identity, load_backbone, load_heads
-from tokenmaxx.heads.machine import clock, cpu_id, cpu_isa, cpu_name, device_name
+from tokenmaxx.heads.machine import clock, cpu_info, device_name
 from tokenmaxx.heads.sequential import SequentialHeads
 
 from . import checkpoints
@@ -390,8 +390,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     result.wall_seconds = time.perf_counter() - wall_start
     total = progress()
     extra = {"training": cfg.to_dict(), "requested": requested, "deepspeed": ds, "world_size": world,
-             "machine": {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(),
-                         "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "machine": {**cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                          "device": device_name(device)},
              "data": {"path": str(cfg.data), "provenance": data.provenance, "fingerprint": data.fingerprint,
                       "rows": data.num_rows, "train_examples": len(data.train), "eval_examples": len(data.eval),

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tokenmaxx.heads import backbone_identity, cache_dir
-from tokenmaxx.heads.machine import cpu_id, cpu_isa, cpu_name, device_name
+from tokenmaxx.heads.machine import cpu_info, device_name
 
 CALIBRATION_VERSION = 6  # bumped when the calibration method, what it times or the key changes, so stale cached
 # choices and latency tables are not reused
@@ -40,8 +40,8 @@ def machine_fingerprint(model) -> dict:
     threads (the loop's Python side runs there), torch, the backbone's dtype, and the device it runs on
     (``device_name``)."""
     weight = model.get_output_embeddings().weight
-    return {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "dtype": str(weight.dtype), "device": device_name(weight.device)}
+    return {**cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(weight.dtype),
+            "device": device_name(weight.device)}
 
 
 def backbone_key(model, machine: dict, *what) -> str:
