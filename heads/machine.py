@@ -7,6 +7,7 @@ it, the backbone loader picks dtypes from it). Only the standard library and tor
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from pathlib import Path
@@ -54,12 +55,48 @@ def cpu_info() -> dict[str, str]:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
-    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one."""
+    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one. A cap on
+oneDNN's instruction set (``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16) makes it emulated too."""
     checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     try:
-        return any(check() for check in checks if check is not None)
+        return any(check() for check in checks if check is not None) and onednn_allows("AVX512_CORE_BF16")
     except RuntimeError:
         return False
+
+
+# oneDNN's instruction sets, lowest first: ONEDNN_MAX_CPU_ISA caps the one its products (PyTorch's bf16 / fp16
+# matmuls on a CPU) use, so a cap below a dtype's native set makes that dtype emulated whatever the CPU has
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
+               "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16")
+
+
+def onednn_allows(isa: str) -> bool:
+    """Whether ``ONEDNN_MAX_CPU_ISA`` (unset, ALL or DEFAULT: no cap) lets oneDNN use the instruction set ``isa``."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if cap not in ONEDNN_ISAS:
+        return True
+    return ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
+
+
+def cpu_has_native_fp16() -> bool:
+    """Whether this CPU computes float16 products natively (AMX FP16). Without it PyTorch converts fp16 products
+    through fp32; AVX-512 FP16 alone did not beat float32 (docs/benchmarks.md)."""
+    amx = getattr(torch.cpu, "_is_amx_fp16_supported", None)
+    try:
+        return bool(amx is not None and amx()) and onednn_allows("AVX512_CORE_AMX_FP16")
+    except RuntimeError:
+        return False
+
+
+def cpu_dtype_is_emulated(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` runs emulated (through fp32 conversions) on this CPU: bf16 without native bf16, fp16 without
+    native fp16."""
+    if dtype == torch.bfloat16:
+        return not cpu_has_native_bf16()
+    if dtype == torch.float16:
+        return not cpu_has_native_fp16()
+    return False
 
 
 def device_name(device: torch.device) -> str:

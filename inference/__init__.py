@@ -11,7 +11,8 @@ from .costs import Costs, VerifyLatency
 from .decoding import Accepted, Verified, accept_greedy, commit, verify
 from .drafting import DEFAULT_DRAFT, DRAFT_MODES, Drafter, DraftSettings, make_drafter
 from .forward import ForwardContext
-from .generator import DEFAULT_DTYPE, EmulatedBf16Warning, GenerationOutput, GenerationStats, SpeculativeGenerator
+from .generator import (DEFAULT_DTYPE, EmulatedBf16Warning, EmulatedDtypeWarning, GenerationOutput, GenerationStats,
+                        RawTextPromptWarning, SpeculativeGenerator)
 from .lookup import LookupConfig
 from .measure import measure_costs
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical
@@ -19,5 +20,6 @@ from .sampling import TypicalAcceptance, accept_sampling, accept_typical
 __all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree", "BudgetDrafter", "GateConfig",
            "Costs", "VerifyLatency", "Accepted", "Verified", "accept_greedy", "commit", "verify", "DEFAULT_DRAFT",
            "DRAFT_MODES", "Drafter", "DraftSettings", "make_drafter", "ForwardContext", "DEFAULT_DTYPE",
-           "EmulatedBf16Warning", "GenerationOutput", "GenerationStats", "SpeculativeGenerator", "LookupConfig",
+           "EmulatedBf16Warning", "EmulatedDtypeWarning", "GenerationOutput", "GenerationStats", "RawTextPromptWarning",
+           "SpeculativeGenerator", "LookupConfig",
            "measure_costs", "TypicalAcceptance", "accept_sampling", "accept_typical"]

@@ -130,7 +130,9 @@ def batched_decode(model, drafters: Sequence, input_ids: torch.Tensor, attention
     device = model.get_output_embeddings().weight.device
     forward = forward or ForwardContext()
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device=device, dtype=torch.bool)
-    stats = BatchStats(rows=[GenerationStats(timed=False) for _ in range(batch)])
+    # a row's own times are not measured (the batch is timed as a whole): None
+    stats = BatchStats(rows=[GenerationStats(timed=False, prefill_seconds=None, decode_seconds=None)
+                             for _ in range(batch)])
     feature_layers = drafters[0].feature_layers
 
     start = clock(device)

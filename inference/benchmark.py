@@ -11,9 +11,10 @@ GPU. ``speedup`` is over the first; with a compiled method in the run, ``speedup
 Output JSON shape (fixed): ``{"config", "machine", "methods": {name: {"overall": S, "categories": {cat: S}}}}`` with
 ``S = {"tokens", "seconds", "tokens_per_s", "speedup", "tau", "identical_rate", "prompts"}``; with a compiled method,
 every S adds ``speedup_compiled``; tokenmaxx methods add ``accepted_share`` (accepted candidates per draft source),
-``heads_round_share`` (rounds in which the heads proposed: the gate sits them out of the others) and ``ms_per_round``
-(mean milliseconds of each decode phase). Per-prompt rows (``prompt_rows``) go to a separate jsonl, so that shape
-stays fixed. A run stopped early (``run_benchmark``'s deadline) is summarized over the prompts it finished.
+``heads_round_share`` (rounds in which the heads proposed: the gate sits them out of the others) and, where the
+rounds were timed, ``ms_per_round`` (mean milliseconds of each decode phase). Per-prompt rows (``prompt_rows``) go to
+a separate jsonl, so that shape stays fixed. A run stopped early (``run_benchmark``'s deadline) is summarized over the
+prompts it finished.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ MT_BENCH_KINDS = {"writing", "roleplay", "reasoning", "math", "coding", "extract
 @dataclass
 class Prompt:
     question_id: int | str
-    category: str
+    category: str  # the column it is reported under
     input_ids: torch.Tensor  # [1, T]
+    written: str | None = None  # the category its row names, where a grouping changed it (None: ``category``)
+
+    def __post_init__(self):
+        self.written = self.written or self.category
 
 
 @dataclass
@@ -54,8 +59,11 @@ class MethodResult:
     warmup_seconds: float = 0.0  # its untimed warm-up (where a compiled or captured method compiles)
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int | None = None, group_mt_bench: bool = True) -> list[Prompt]:
-    """Spec-Bench-style jsonl (question_id, category, turns): first turn through the chat template."""
+def load_prompts(path: str | Path, tokenizer, limit: int | None = None, group_mt_bench: bool = False) -> list[Prompt]:
+    """Spec-Bench-style jsonl (question_id, category, turns): first turn through the chat template, each prompt under
+    the category its row names ("all" where none), at most ``limit`` per category. ``group_mt_bench``: Spec-Bench's
+    own grouping, its eight MT-bench categories (``MT_BENCH_KINDS``: writing, roleplay, ...) as one ``mt_bench``
+    category, the limit applied to the group (``selection_note`` says what it kept of each)."""
     prompts, per_cat = [], {}
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -64,19 +72,31 @@ def load_prompts(path: str | Path, tokenizer, limit: int | None = None, group_mt
             row = json.loads(line)
             if "turns" not in row or not row["turns"]:
                 raise ValueError(f"{path}:{line_no}: expected a Spec-Bench record with non-empty 'turns'")
-            cat = row.get("category", "all")
-            if group_mt_bench and cat in MT_BENCH_KINDS:
-                cat = "mt_bench"
+            written = str(row.get("category", "all"))
+            cat = "mt_bench" if group_mt_bench and written in MT_BENCH_KINDS else written
             if limit is not None and per_cat.get(cat, 0) >= limit:
                 continue
             per_cat[cat] = per_cat.get(cat, 0) + 1
             ids = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
                                                 add_generation_prompt=True, return_dict=True,
                                                 return_tensors="pt")["input_ids"]
-            prompts.append(Prompt(row.get("question_id", line_no), cat, ids))
+            prompts.append(Prompt(row.get("question_id", line_no), cat, ids, written))
     if not prompts:
         raise ValueError(f"no prompts in {path}")
     return prompts
+
+
+def selection_note(prompts: list[Prompt]) -> str:
+    """What a bench runs, per category: "13 prompts: qa 1, mt_bench 2 (math 1, writing 1)"; a category that groups
+    several written ones names how many it kept of each."""
+    by_category: dict[str, dict[str, int]] = {}
+    for prompt in prompts:
+        kept = by_category.setdefault(prompt.category, {})
+        kept[prompt.written] = kept.get(prompt.written, 0) + 1
+    parts = [f"{cat} {sum(kept.values())}" + ("" if list(kept) == [cat] else
+                                               " (" + ", ".join(f"{w} {n}" for w, n in sorted(kept.items())) + ")")
+             for cat, kept in by_category.items()]
+    return f"{len(prompts)} prompts: " + ", ".join(parts)
 
 
 def interleave_categories(prompts: list[Prompt]) -> list[Prompt]:
@@ -138,7 +158,8 @@ def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int]
         stats = out.stats
         heads_rounds = 0 if generator.draft == "lookup" else stats.steps - stats.heads_skipped
         return out.new_tokens, {"sources": dict(stats.accepted_by_source), "rounds": stats.steps,
-                                "heads_rounds": heads_rounds, "phase_seconds": dict(stats.phase_seconds)}
+                                "heads_rounds": heads_rounds,
+                                "phase_seconds": dict(stats.phase_seconds) if stats.phase_seconds is not None else None}
 
     return run
 
@@ -218,8 +239,9 @@ def _summary(runs: list[Run], base: list[Run], compiled: list[Run] | None = None
         # milliseconds per round of each decode phase
         rounds = sum(r.drafting["rounds"] for r in runs)
         out["heads_round_share"] = round(sum(r.drafting["heads_rounds"] for r in runs) / rounds, 4) if rounds else 0.0
-        out["ms_per_round"] = {k: round(1000 * sum(r.drafting["phase_seconds"][k] for r in runs) / rounds, 3)
-                               if rounds else 0.0 for k in runs[0].drafting["phase_seconds"]}
+        if all(r.drafting["phase_seconds"] is not None for r in runs):  # (untimed rounds: an accelerator's default)
+            out["ms_per_round"] = {k: round(1000 * sum(r.drafting["phase_seconds"][k] for r in runs) / rounds, 3)
+                                   if rounds else 0.0 for k in runs[0].drafting["phase_seconds"]}
     return out
 
 
@@ -280,7 +302,33 @@ def machine_info(threads: int, dtype: str, device: torch.device) -> dict:
             "platform": platform.platform(), "device": device_name(device)}
 
 
+def report_header(report: dict) -> str:
+    """The lines that open a report's markdown: what ran (backbone, dtype), on which machine, on which prompts, and
+    the command; empty for a report without its config (a summary alone)."""
+    config, machine = report.get("config", {}), report.get("machine", {})
+    if "backbone" not in config:
+        return ""
+    bf16 = {True: "native bf16", False: "no native bf16"}.get(machine.get("native_bf16"), "")
+    cpu = ", ".join(x for x in (machine.get("cpu_id"), machine.get("cpu_isa"), bf16) if x)
+    lines = [f"# Bench: {config['backbone']}, {config.get('dtype', '?')}", "",
+             f"- machine: {machine.get('cpu', '?')} ({cpu}), {machine.get('threads', '?')} threads, "
+             f"{machine.get('device', '?')}; torch {machine.get('torch', '?')}, transformers "
+             f"{machine.get('transformers', '?')}",
+             f"- prompts: `{config.get('prompts', '?')}`"
+             + (f", {config['selection']}" if config.get("selection") else "")
+             + f"; {config.get('max_new_tokens', '?')} new tokens, greedy"]
+    if config.get("command"):
+        lines.append(f"- command: `{config['command']}`")
+    return "\n".join(lines) + "\n\n"
+
+
 def markdown_table(report: dict) -> str:
+    """The report as markdown: its header (``report_header``), the speedup table, warm-up seconds, and where each
+    tokenmaxx method's rounds spent their time."""
+    return report_header(report) + _tables(report)
+
+
+def _tables(report: dict) -> str:
     methods = report["methods"]
     notes = report.get("config", {}).get("notes", {})
     if not methods:  # no prompt finished in the time budget: what the warm-up took
@@ -312,9 +360,10 @@ def markdown_table(report: dict) -> str:
         table += ("\n| method | heads proposed in | propose | verify | accept | commit | accepted heads / lookup / both |"
                   "\n|---|---|---|---|---|---|---|\n")
         for name, o in ours.items():
-            ms, share = o["ms_per_round"], o["accepted_share"]
+            ms, share = o.get("ms_per_round"), o["accepted_share"]  # (none: rounds not timed)
             table += (f"| {name} | {o['heads_round_share']:.0%} of rounds | " +
-                      " | ".join(f"{ms[k]:.1f} ms" for k in ("propose", "verify", "accept", "commit")) +
+                      " | ".join(f"{ms[k]:.1f} ms" if ms else "not timed"
+                                 for k in ("propose", "verify", "accept", "commit")) +
                       f" | {share['heads']:.0%} / {share['lookup']:.0%} / {share['both']:.0%} |\n")
         table += "\nPer round of each tokenmaxx method (mean over its rounds).\n"
     return table
@@ -332,7 +381,9 @@ def _warmup_line(warm: dict[str, float], notes: dict) -> str:
     return line
 
 
-def plot(report: dict, path: str | Path) -> None:
+def figure(report: dict):
+    """The report's plot: speedup and tau per category and overall, one bar per method, the legend below both
+    panels (inside one it covered bars)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,7 +391,7 @@ def plot(report: dict, path: str | Path) -> None:
 
     methods = report["methods"]
     cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     width = 0.8 / len(methods)
     for j, (name, m) in enumerate(methods.items()):
         stats = [m["categories"][c] for c in cats[:-1]] + [m["overall"]]
@@ -351,10 +402,19 @@ def plot(report: dict, path: str | Path) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
         ax.set_title(title)
         ax.axhline(1.0, color="grey", lw=0.8)
-    axes[0].legend(fontsize=8)
     cfg = report["config"]
     fig.suptitle(f"{cfg['backbone']} {cfg['dtype']}, {cfg['threads']} threads, {cfg['max_new_tokens']} new tokens")
-    fig.tight_layout()
+    rows = -(-len(methods) // 4)  # legend rows, four methods a row
+    fig.tight_layout(rect=(0, 0.05 + 0.035 * rows, 1, 1))
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(methods), 4), fontsize=8,
+               frameon=False)
+    return fig
+
+
+def plot(report: dict, path: str | Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -20,7 +20,8 @@ from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone, load_heads
 from tokenmaxx.heads.attention import shared_kv_kwargs
-from tokenmaxx.heads.machine import cpu_has_native_bf16, cpu_isa, cpu_name, free_memory, reads_are_free
+from tokenmaxx.heads.io.backbones import EmulatedDtypeWarning
+from tokenmaxx.heads.machine import free_memory, reads_are_free
 
 from .batch import BatchStats, batched_decode
 from .budget import GateConfig
@@ -39,7 +40,8 @@ from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_
 DEFAULT_DTYPE = "auto"
 AUTO = "auto"  # costs="auto": measure this machine (create / from_pretrained)
 
-__all__ = ["DEFAULT_DTYPE", "BatchOutput", "GenerationOutput", "GenerationStats", "SpeculativeGenerator"]
+__all__ = ["DEFAULT_DTYPE", "BatchOutput", "GenerationOutput", "GenerationStats", "RawTextPromptWarning",
+           "SpeculativeGenerator"]
 MEMORY_HEADROOM = 0.8  # a batch may plan to use this share of the memory that is free before its prefill
 
 
@@ -72,19 +74,24 @@ class NoTrainedHeadsWarning(UserWarning):
     """``from_pretrained`` found no trained heads for the backbone and drafts with prompt lookup alone."""
 
 
-class EmulatedBf16Warning(UserWarning):
-    """The backbone runs in bfloat16 on a CPU that has no native bf16 (see ``warn_if_bf16_is_emulated``)."""
+EmulatedBf16Warning = EmulatedDtypeWarning  # the name it had when only bf16 was checked
 
 
-def warn_if_bf16_is_emulated(model) -> None:
-    """Warn when ``model`` runs in bf16 on a CPU without native bf16 (AVX2 only): there PyTorch converts every bf16
-    product through fp32, verifying a tree costs nearly a decode step per token, and float32 is faster
-    (docs/benchmarks.md)."""
-    weight = model.get_output_embeddings().weight
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        warnings.warn(EmulatedBf16Warning(
-            f"bfloat16 on this CPU ({cpu_name()}, {cpu_isa()}) has no native bf16 support, so speculative decoding "
-            "barely pays in it; dtype='float32' is faster here"), stacklevel=3)
+class RawTextPromptWarning(UserWarning):
+    """A prompt given as a string (raw text, continued as written) to a backbone with a chat template ended at once
+    with no text: an instruct backbone answers chat messages; see ``SpeculativeGenerator.generate``."""
+
+
+def _warn_if_raw_text_ended_at_once(tokenizer, rows: list[list[int]], texts: list[str | None], eos: set[int]) -> None:
+    """``RawTextPromptWarning`` when a raw-text prompt to a backbone with a chat template stopped at an EOS having said
+    nothing (the message is the same each time, so Python shows it once)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return
+    if any(tokens and tokens[-1] in eos and not (text or "").strip() for tokens, text in zip(rows, texts)):
+        warnings.warn(RawTextPromptWarning(
+            "a text prompt ended at once with no answer: a string is raw text, continued as written, and this backbone "
+            "has a chat template (an instruct model answers chats); pass chat messages instead, e.g. "
+            "[{'role': 'user', 'content': text}] (a batch: one list of messages per row)"), stacklevel=4)
 
 
 class SpeculativeGenerator:
@@ -190,7 +197,6 @@ class SpeculativeGenerator:
                     "train heads for it or pass heads=PATH_OR_REPO"), stacklevel=2)
                 kwargs["draft"] = "lookup"
         model, tokenizer = load_backbone(backbone, dtype=dtype, device=device)
-        warn_if_bf16_is_emulated(model)
         loaded = load_heads(heads, revision=revision) if heads is not None else None
         return cls.create(model, loaded, tokenizer=tokenizer, tree=tree, **kwargs)
 
@@ -354,13 +360,16 @@ class SpeculativeGenerator:
                  timed: bool | None = None) -> GenerationOutput | BatchOutput:
         """Speculative generation whose output is the backbone's own.
 
-        ``prompt``: one text, chat (a list of messages) or token ids [T] / [1, T] -> a ``GenerationOutput``; or a
-        batch -> a ``BatchOutput`` (one result per row): a list of texts, of chats, or of token-id lists, or ids
-        [B, T] (with ``attention_mask`` [B, T] marking each row's tokens when they are padded). The rows are verified
-        together, one backbone forward a round, each row's output what it would be alone; ``max_new_tokens`` may
-        then be a list (one per row). A streamer takes one prompt. ``timed``: time each round's phases
-        (``stats.phase_seconds``), which on an accelerator waits for it four times a round; None: where that is free
-        (a CPU).
+        ``prompt``: one text, chat (a list of messages) or token ids [T] / [1, T] -> a ``GenerationOutput``; or
+        a batch -> a ``BatchOutput`` (one result per row): a list of texts, of chats, or of token-id lists, or
+        ids [B, T] (with ``attention_mask`` [B, T] marking each row's tokens when they are padded). As in
+        transformers' pipelines and vLLM, a string is raw text, continued as written, and a list of messages is
+        a chat, put through the tokenizer's chat template with the assistant's turn opened: an instruct backbone
+        answers chats (``RawTextPromptWarning`` when a text prompt to a backbone with a chat template ends at
+        once with no text). The rows are verified together, one backbone forward a round, each row's output what
+        it would be alone; ``max_new_tokens`` may then be a list (one per row). A streamer takes one prompt.
+        ``timed``: time each round's phases (``stats.phase_seconds``), which on an accelerator waits for it four
+        times a round; None: where that is free (a CPU).
 
         Greedy (default, or ``do_sample=False``, or temperature 0): tokens equal ``model.generate(do_sample=False)``.
         Sampling (``do_sample=True`` with temperature / top_k / top_p / min_p, or a ``generation_config``): lossless
@@ -399,8 +408,11 @@ class SpeculativeGenerator:
         else:
             accept = accept_greedy
         if rows is not None:
-            return self._generate_rows(rows, per_row or [max_new_tokens] * len(rows), accept, config,
-                                       sampling and (lambda logits, row: sample(target_probs(logits, warpers), rng)))
+            out = self._generate_rows(rows, per_row or [max_new_tokens] * len(rows), accept, config,
+                                      sampling and (lambda logits, row: sample(target_probs(logits, warpers), rng)))
+            if isinstance(prompt, (list, tuple)) and _kind(prompt[0]) == "text":
+                _warn_if_raw_text_ended_at_once(self.tokenizer, out.new_tokens, out.texts, eos_ids(config))
+            return out
         input_ids = self.encode(prompt)  # [1, P] on the device: so are the sequences, as from model.generate
         prompt_len = input_ids.shape[1]
         context = getattr(self.model.config, "max_position_embeddings", None)
@@ -413,6 +425,8 @@ class SpeculativeGenerator:
                                                timed=timed)
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        if isinstance(prompt, str):
+            _warn_if_raw_text_ended_at_once(self.tokenizer, [new_tokens], [text], eos_ids(config))
         return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
 
 

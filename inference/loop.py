@@ -31,15 +31,20 @@ STATIC_MARGIN = 512  # positions a static cache holds past the prompt and the ne
 
 class Throughput:
     """``wall_seconds`` and ``tokens_per_s`` of statistics that count ``prefill_seconds``, ``decode_seconds`` and
-    ``new_tokens``."""
+    ``new_tokens``; None where those times were not measured (a batch's rows: the batch is timed as a whole)."""
 
     @property
-    def wall_seconds(self) -> float:
+    def wall_seconds(self) -> float | None:
+        if self.prefill_seconds is None or self.decode_seconds is None:
+            return None
         return self.prefill_seconds + self.decode_seconds
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+    def tokens_per_s(self) -> float | None:
+        wall = self.wall_seconds
+        if wall is None:
+            return None
+        return self.new_tokens / wall if wall else 0.0
 
 
 @dataclass
@@ -47,10 +52,10 @@ class GenerationStats(Throughput):
     steps: int = 0  # speculative rounds (backbone forwards after the prefill)
     new_tokens: int = 0
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tau -> number of rounds
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    phase_seconds: dict[str, float] = field(  # decode time by step; "commit" includes the drafter's observe
-        default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    prefill_seconds: float | None = 0.0  # None: not measured (a batch's row; the batch's own stats time it)
+    decode_seconds: float | None = 0.0
+    phase_seconds: dict[str, float] | None = field(  # decode time by step; "commit" includes the drafter's observe;
+        default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # None when the rounds were not timed
     accepted_by_source: dict[str, int] = field(  # accepted candidates by who drafted them (bonus tokens excluded)
         default_factory=lambda: dict.fromkeys(("heads", "lookup", "both"), 0))
     heads_skipped: int = 0  # rounds the heads sat out because they were not paying (budget.HeadsGate): lookup alone
@@ -60,11 +65,18 @@ class GenerationStats(Throughput):
     _by_source: torch.Tensor | None = field(default=None, repr=False)  # accepted candidates per source bits, counted
     # on the device until ``finish``
 
+    def __post_init__(self):
+        if not self.timed:
+            self.phase_seconds = None
+
     @property
     def mean_tau(self) -> float:
-        """Tokens per backbone forward over the speculative rounds (accepted candidates + bonus)."""
-        total = sum(t * c for t, c in self.accepted_hist.items())
-        return total / self.steps if self.steps else 0.0
+        """Tokens per backbone forward over the speculative rounds (accepted candidates + bonus). A generation that
+        ended before any round (its first token an EOS, or ``max_new_tokens`` 1) made its one token in one forward,
+        the prefill: 1.0."""
+        if not self.steps:
+            return 1.0 if self.new_tokens else 0.0
+        return sum(t * c for t, c in self.accepted_hist.items()) / self.steps
 
     def record(self, outcome: Outcome, times: list[float]) -> None:
         """One round: its accepted length, who drafted the accepted candidates (counted on the device), and the time

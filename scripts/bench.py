@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -32,7 +33,8 @@ from tokenmaxx.heads.machine import clock
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
 from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
                                            load_prompts, machine_info, markdown_table, plot, prompt_rows,
-                                           run_batch_benchmark, run_benchmark, summarize, tokenmaxx_method)
+                                           report_header, run_batch_benchmark, run_benchmark, selection_note, summarize,
+                                           tokenmaxx_method)
 from tokenmaxx.inference.drafting import NEEDS_HEADS
 from tokenmaxx.inference.forward import plan_record
 from tokenmaxx.scripts.errors import parse_flags, run_script
@@ -71,7 +73,13 @@ class BenchArgs:
                 "CPU for a few rows)"})
     draft: str = field(default=DEFAULT_DRAFT, metadata={
         "help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
-    limit: int | None = field(default=None, metadata={"help": "at most this many prompts per category"})
+    limit: int | None = field(default=None, metadata={
+        "help": "at most this many prompts per category (each category as the file names it, or the mt_bench group "
+                "with --group_mt_bench)"})
+    group_mt_bench: bool = field(default=False, metadata={
+        "help": "Spec-Bench's grouping: its eight MT-bench categories (writing, roleplay, reasoning, math, coding, "
+                "extraction, stem, humanities) reported as one mt_bench column, --limit applied to the group; "
+                "default: every category as the file names it"})
     lookup_tokens: str = field(default="3,10", metadata={
         "help": "prompt_lookup_num_tokens settings to try; the best overall is reported as prompt_lookup"})
     draft_model: str | None = field(default=None, metadata={
@@ -239,7 +247,7 @@ def probe_compiled(methods: dict, notes: dict, prompt, model) -> None:
             print(f"{name}: {notes[name]}", file=sys.stderr)
 
 
-def build_report(args: BenchArgs, model, prompts, results, notes: dict) -> dict:
+def build_report(args: BenchArgs, model, prompts, results, notes: dict, command: str = "") -> dict:
     """The report of the prompts every method has run (all of them, or those done before the run ended; none: each
     method's warm-up seconds alone, where its compiles went)."""
     done = len(results["baseline"].runs)
@@ -252,7 +260,8 @@ def build_report(args: BenchArgs, model, prompts, results, notes: dict) -> dict:
         best = max(lookups, key=lambda k: lookups[k]["overall"]["tokens_per_s"])
         notes["prompt_lookup"] = {"best": best, "overall_by_setting": {k: v["overall"] for k, v in lookups.items()}}
         summary = {("prompt_lookup" if k == best else k): v for k, v in summary.items() if k == best or k not in lookups}
-    return {"config": {**asdict(args), "prompt_count": done, "prompts_planned": len(prompts), "notes": notes},
+    return {"config": {**asdict(args), "prompt_count": done, "prompts_planned": len(prompts),
+                       "selection": selection_note(prompts), "command": command, "notes": notes},
             "machine": machine_info(args.threads, args.dtype, model.get_output_embeddings().weight.device),
             "methods": summary}
 
@@ -291,23 +300,26 @@ def recording_fallbacks(into: list[str]):
 
 def main(argv=None) -> int:
     started = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    command = "tokenmaxx bench " + shlex.join(argv)  # (the report's header says it)
     torch.set_num_threads(args.threads)
     set_capture_backend(args.capture_backend)
     args.capture_backend = capture_backend()  # (the record says what ran, the environment's choice too)
     fallbacks: list[str] = []
     with recording_fallbacks(fallbacks):
-        return bench(args, started, fallbacks)
+        return bench(args, started, fallbacks, command)
 
 
-def bench(args: BenchArgs, started: float, fallbacks: list[str]) -> int:
+def bench(args: BenchArgs, started: float, fallbacks: list[str], command: str = "") -> int:
     """main's run: the batch bench, or the per-prompt methods; ``fallbacks`` collects the captured calls that fell
     back to eager, for the report."""
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
     args.dtype = str(model.dtype).removeprefix("torch.")  # "auto" resolved: the record says what ran
-    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit, group_mt_bench=args.group_mt_bench)
+    print(f"bench: {args.prompts}: {selection_note(prompts)}", file=sys.stderr)
     if args.batch_sizes is not None:
-        return batch_main(args, model, tokenizer, prompts, started)
+        return batch_main(args, model, tokenizer, prompts, started, command)
     if args.time_budget is not None:  # a run cut short covers every category
         prompts = interleave_categories(prompts)
     longest = max(p.input_ids.shape[1] for p in prompts) + args.max_new_tokens
@@ -321,7 +333,7 @@ def bench(args: BenchArgs, started: float, fallbacks: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def after_prompt(results, done):  # saved after every prompt: a killed run keeps what it finished
-        save(out, build_report(args, model, prompts, results, notes), prompt_rows(results, prompts))
+        save(out, build_report(args, model, prompts, results, notes, command), prompt_rows(results, prompts))
 
     deadline = started + args.time_budget if args.time_budget is not None else None
     results = run_benchmark(model, methods, prompts, args.max_new_tokens, warmup=args.warmup,
@@ -332,7 +344,7 @@ def bench(args: BenchArgs, started: float, fallbacks: list[str]) -> int:
                          "measuring and the warm-up took it): give it more time")
     if done < len(prompts):
         print(f"bench: {done} of {len(prompts)} prompts within --time_budget {args.time_budget:g} s", file=sys.stderr)
-    report = build_report(args, model, prompts, results, notes)
+    report = build_report(args, model, prompts, results, notes, command)
     table = save(out, report, prompt_rows(results, prompts))
     try:
         plot(report, out.with_suffix(".png"))
@@ -342,7 +354,7 @@ def bench(args: BenchArgs, started: float, fallbacks: list[str]) -> int:
     return 0
 
 
-def batch_main(args: BenchArgs, model, tokenizer, prompts, started: float) -> int:
+def batch_main(args: BenchArgs, model, tokenizer, prompts, started: float, command: str = "") -> int:
     """--batch_sizes: batched generation against transformers' batched generate (``run_batch_benchmark``); with
     --time_budget no batch starts after it (the sizes that did not run are left out, and the config says so)."""
     heads = resolve_heads(args.heads, model, args.backbone) if args.draft != "lookup" else None
@@ -356,14 +368,16 @@ def batch_main(args: BenchArgs, model, tokenizer, prompts, started: float) -> in
                          "measuring and the warm-up took it): give it more time")
     report = {"config": {"backbone": args.backbone, "dtype": args.dtype, "draft": args.draft,
                          "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "repeats": args.repeats,
-                         "drafter": gen.describe(), "batch_sizes": sizes},
+                         "drafter": gen.describe(), "batch_sizes": sizes,
+                         "selection": selection_note(prompts), "command": command},
               "machine": machine_info(args.threads, args.dtype, model.get_output_embeddings().weight.device),
               "batch": batch}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = batch_table(report["batch"])
     write_atomic(out.with_suffix(".json"), json.dumps(report, indent=1))
-    write_atomic(out.with_suffix(".md"), table + "\n")
+    header = report_header({"config": {**report["config"], "prompts": args.prompts}, "machine": report["machine"]})
+    write_atomic(out.with_suffix(".md"), header + table + "\n")
     print(table)
     return 0
 

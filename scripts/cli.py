@@ -5,7 +5,8 @@
     tokenmaxx generate --help
 
 Each command takes exactly the flags of its script (``python scripts/<script>.py`` runs the same code). Bad input ends
-in one ``error: ...`` line and status 2; ``--debug`` (or ``TOKENMAXX_DEBUG=1``) shows the traceback instead.
+in one ``error: ...`` line and status 2, Ctrl-C in one ``interrupted`` line and status 130; ``--debug`` (or
+``TOKENMAXX_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tokenmaxx.scripts.errors import DEBUG_FLAG, run_script
+from tokenmaxx.scripts.errors import DEBUG_FLAG, debugging, interrupted, run_script
 
 # command -> (module in tokenmaxx.scripts, one line of help). Scripts are imported only when their command runs.
 COMMANDS = {
@@ -48,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, flags = words[0], list(argv)
     flags.remove(name)  # only --debug can come before the command; it stays in the flags for run_script
-    script = importlib.import_module(f"tokenmaxx.scripts.{COMMANDS[name][0]}")
+    try:  # (importing a script imports torch and transformers: seconds, in which Ctrl-C must end quietly too)
+        script = importlib.import_module(f"tokenmaxx.scripts.{COMMANDS[name][0]}")
+    except KeyboardInterrupt:
+        if debugging(flags):
+            raise
+        return interrupted()
     saved, sys.argv = sys.argv, [f"{PROG} {name}", *flags]  # argparse names the program after argv[0]
     try:
         return run_script(script.main, flags)  # bad input: one error line, status 2 (--debug: the traceback)

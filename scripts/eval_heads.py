@@ -19,12 +19,11 @@ import sys
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import HfArgumentParser
 
 from tokenmaxx.heads import load_backbone
 from tokenmaxx.heads.io.backbones import DEVICE_HELP
 from tokenmaxx.heads.io.pretrained import resolve_heads
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import flag_parser, run_script
 from tokenmaxx.training.batches import trained_parts
 from tokenmaxx.training.checkpoints import atomic_write_text
 from tokenmaxx.training.evaluation import SPLIT_FIELDS, SPLITS, VOCABS, evaluate_heads, recorded_split
@@ -112,7 +111,7 @@ def split_settings(args: EvalArgs, heads_config) -> tuple[dict, str]:
 
 
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(EvalArgs, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    (args,) = flag_parser(EvalArgs, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     torch.set_num_threads(args.threads)
     from tokenmaxx.heads import load_heads
 

@@ -3,24 +3,27 @@
 
     python scripts/export_heads.py --heads DIR_OR_HUB_ID --format eagle3 --output_dir OUT [--dtype bfloat16]
 
-Then, for example: ``vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config
-'{"method": "eagle3", "model": "OUT", "num_speculative_tokens": 4}'`` (README "Serving"). The backbone is loaded to
-read its lm_head rows at the draft vocabulary (default: the one the heads name). Heads without a draft vocabulary on
-a backbone of more than 65,536 tokens get a note with the file size and how to shrink it. Bad input ends in one
-`error:` line and exit status 2 (--debug: the traceback).
+It prints the backbone folder the engines must serve (the weights the heads were trained on: for an alias, its
+converted folder) and the ``vllm serve`` and SGLang commands for this export (README "Serving"). The backbone is
+loaded to read its lm_head rows at the draft vocabulary (default: the one the heads name). Heads without a draft
+vocabulary on a backbone of more than 65,536 tokens get a note with the file size and how to shrink it. Bad input ends
+in one `error:` line and exit status 2 (--debug: the traceback).
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from transformers import HfArgumentParser
 
 from tokenmaxx.heads import load_backbone, load_heads
+from tokenmaxx.heads.io.backbones import resolve_backbone
 from tokenmaxx.heads.io.eagle3_export import export_eagle3
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import flag_parser, run_script
 
 FORMATS = {"eagle3": export_eagle3}
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -65,8 +68,24 @@ def size_note(heads, model, dtype: str) -> str | None:
             "makes it smaller and drafting cheaper")
 
 
+def serve_commands(heads, backbone: str, out: Path) -> dict[str, str]:
+    """The vLLM and SGLang commands that serve ``backbone`` (a folder or Hub id) with the EAGLE-3 export in ``out``:
+    draft steps = the heads' depth; SGLang's tree = the heads' own dynamic tree (its top-k and node count) where
+    they have one."""
+    depth = heads.config.num_heads
+    tree = heads.tree_settings(heads.config, None)
+    topk = min(getattr(tree, "topk", None) or 4, 8)
+    nodes = getattr(tree, "nodes", None) or 16
+    model, draft = shlex.quote(backbone), shlex.quote(str(out))
+    config = shlex.quote(json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": depth}))
+    return {"vLLM": f"vllm serve {model} --speculative-config {config}",
+            "SGLang": f"python -m sglang.launch_server --model-path {model} --speculative-algorithm EAGLE3 "
+                      f"--speculative-draft-model-path {draft} --speculative-num-steps {depth} "
+                      f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {nodes}"}
+
+
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(ExportArgs, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    (args,) = flag_parser(ExportArgs, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     heads = load_heads(args.heads)
     backbone = args.backbone or heads.config.backbone
     if not backbone:
@@ -76,8 +95,13 @@ def main(argv=None) -> int:
     note = size_note(heads, model, dtype)
     if note:
         print(note, file=sys.stderr, flush=True)
-    out = FORMATS[args.format](heads, model, args.output_dir, dtype=dtype, overwrite=args.overwrite)
+    out = FORMATS[args.format](heads, model, args.output_dir, dtype=dtype, overwrite=args.overwrite).resolve()
     print(f"wrote {args.format} checkpoint {out} ({dtype}): " + ", ".join(sorted(p.name for p in out.iterdir())))
+    served = resolve_backbone(backbone)  # an alias's converted folder; a folder or Hub id as given
+    served = str(Path(served).resolve()) if Path(served).exists() else served
+    print(f"backbone to serve (the weights the heads were trained on): {served}")
+    for engine, command in serve_commands(heads, served, out).items():
+        print(f"serve with {engine}: {command}")
     return 0
 
 

@@ -47,10 +47,11 @@ class GenerateArgs:
     device: str = field(default="auto", metadata={"help": DEVICE_HELP})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
     tree: str | None = field(default=None, metadata={
-        "help": "draft tree: Medusa heads: 'default', 'chain:K', 'auto' (calibrated for this machine), a JSON list "
-                "of paths or a JSON file; MTP heads: 'dynamic', 'dynamic:N' (N nodes), "
-                "'dynamic:nodes=N,topk=K,depth=D' or 'auto'; 'auto:prompts=N,tokens=T' calibrates on less text "
-                "(N of 8 prompts, T tokens each; quicker, noisier); default: the heads' own"})
+        "help": "draft tree: EAGLE-3 and MTP heads (the shipped default heads are EAGLE-3) grow a dynamic tree: "
+                "'dynamic', 'dynamic:N' (N nodes), 'dynamic:nodes=N,topk=K,depth=D,min_mass=M' or 'auto'; Medusa "
+                "heads take a static tree: 'default', 'chain:K', 'auto', a JSON list of paths or a JSON file; "
+                "'auto' calibrates for this machine, 'auto:prompts=N,tokens=T' on less text (N of 8 prompts, T tokens "
+                "each; quicker, noisier); default: the heads' own"})
     draft: str | None = field(default=None, metadata={
         "help": "heads | lookup | hybrid: who drafts the tree (hybrid adds prompt-lookup branches to the heads' tree); "
                 f"default: {DEFAULT_DRAFT} where trained heads exist for the backbone (or --heads is given), else lookup"})
@@ -256,7 +257,7 @@ def compare(gen, model, input_ids, args, tree_desc: str) -> dict:
     identical = plain_new == spec.new_tokens
     dtype = str(model.dtype).removeprefix("torch.")
     s = spec.stats
-    step_overhead = {k: v / s.steps for k, v in s.phase_seconds.items()} if s.steps else {}
+    step_overhead = {k: v / s.steps for k, v in s.phase_seconds.items()} if s.steps and s.phase_seconds else {}
     result = {
         "backbone": args.backbone, "dtype": dtype, "threads": args.threads, "tree": tree_desc,
         "prompt_tokens": input_ids.shape[1], "identical": identical,
@@ -285,7 +286,7 @@ def show_comparison(result: dict, tree_desc: str) -> None:
     if not identical:
         print(f"             first difference at new token {result['first_difference']}: "
               f"{result['why_not_identical']}")
-    per_step = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in s["seconds_per_step"].items())
+    per_step = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in s["seconds_per_step"].items()) or "rounds not timed"
     print(f"per step:    {per_step}; plain decode {result['plain']['seconds_per_token'] * 1e3:.2f} ms/token")
 
 if __name__ == "__main__":

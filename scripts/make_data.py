@@ -14,19 +14,15 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers import HfArgumentParser
 
 from tokenmaxx.heads import load_backbone
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import INTERRUPTED, flag_parser, run_script
 from tokenmaxx.training.data import DataConfig, DataStats, make_data
-
-INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
-
 
 def main(argv: list[str] | None = None, model=None, tokenizer=None):
     """Parse DataConfig flags, load the backbone (unless a model and tokenizer are given), make the data. Returns
     (dataset, stats), or INTERRUPTED after one line on stderr when Ctrl-C stops it."""
-    parser = HfArgumentParser(DataConfig, description=__doc__.split("\n\n")[0])
+    parser = flag_parser(DataConfig, description=__doc__.split("\n\n")[0])
     (config,) = parser.parse_args_into_dataclasses(args=argv)
     torch.set_num_threads(config.threads)
     if not config.exclude:

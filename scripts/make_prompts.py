@@ -17,9 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import HfArgumentParser
 
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import flag_parser, run_script
 from tokenmaxx.training.data import load_exclusions, normalize, read_json_array, sharegpt_path
 from tokenmaxx.training.prompt_mix import MixConfig, build_mix
 
@@ -40,7 +39,7 @@ class PromptArgs:
 
 
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(PromptArgs).parse_args_into_dataclasses(argv)
+    (args,) = flag_parser(PromptArgs).parse_args_into_dataclasses(argv)
     out = Path(args.output_dir)
     if out.is_dir() and any(out.glob("prompts-*.jsonl")) and not args.overwrite:
         raise ValueError(f"{out} already holds prompt parts; pass --overwrite to replace them")

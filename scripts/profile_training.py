@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import HfArgumentParser
 
 from tokenmaxx.heads import HEAD_KINDS, load_backbone
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import flag_parser, run_script
 from tokenmaxx.training.batches import collate, load_data, step_micro_batches
 from tokenmaxx.training.features import BackboneFeatures, FeatureCache
 from tokenmaxx.training.linear_ce import linear_cross_entropy
@@ -54,7 +53,7 @@ class ProfileArgs:
 
 
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(ProfileArgs).parse_args_into_dataclasses(argv)
+    (args,) = flag_parser(ProfileArgs).parse_args_into_dataclasses(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, _ = load_backbone(args.backbone, dtype=args.dtype)

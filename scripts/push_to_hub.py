@@ -20,11 +20,10 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser
 
 from tokenmaxx.heads import push_heads
 from tokenmaxx.heads.io.card import save_model_card
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import flag_parser, run_script
 
 
 @dataclass
@@ -58,7 +57,7 @@ class PushArgs:
 
 
 def main(argv=None) -> int:
-    (args,) = HfArgumentParser(PushArgs).parse_args_into_dataclasses(argv)
+    (args,) = flag_parser(PushArgs).parse_args_into_dataclasses(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     methods = [m.strip() for m in args.bench_methods.split(",") if m.strip()] if args.bench_methods else None
     if args.card_only:

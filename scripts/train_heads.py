@@ -26,9 +26,8 @@ import os
 import re
 import sys
 
-from transformers import HfArgumentParser
 
-from tokenmaxx.scripts.errors import run_script
+from tokenmaxx.scripts.errors import flag_parser, run_script
 from tokenmaxx.training.train_config import TrainConfig
 from tokenmaxx.training.trainer import train
 
@@ -62,9 +61,12 @@ def stdout_to_stderr():
         os.close(saved)
 
 
+INTERRUPTED_NOTE = "the checkpoints written so far are kept; the same command with --resume goes on from the last"
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = HfArgumentParser(TrainConfig, description=__doc__.split("\n\n")[0])
+    parser = flag_parser(TrainConfig, description=__doc__.split("\n\n")[0])
     (cfg,) = parser.parse_args_into_dataclasses(args=strip_launcher_args(sys.argv[1:] if argv is None else argv),
                                                 look_for_args_file=False)
     with stdout_to_stderr():  # the result's JSON below is all of stdout (`| jq` reads it)

@@ -12,8 +12,9 @@ import torch
 from helpers import random_eagle3, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.inference.benchmark import (Prompt, compiled_method, hf_method, interleave_categories, markdown_table,
-                                           prompt_rows, run_benchmark, summarize)
+from tokenmaxx.inference.benchmark import (Prompt, compiled_method, figure, hf_method, interleave_categories,
+                                           load_prompts, markdown_table, prompt_rows, run_benchmark, selection_note,
+                                           summarize)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,14 +58,19 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
         assert set(m) == {"overall", "categories", "warmup_seconds"} and m["warmup_seconds"] > 0
         extra = {"accepted_share", "heads_round_share", "ms_per_round"} if name in ours else set()
         assert set(m["overall"]) == keys | extra
-        assert set(m["categories"]) == {"qa", "mt_bench"}
+        assert set(m["categories"]) == {"qa", "writing"}  # as the file names them
         for c in m["categories"].values():
             assert set(c) == keys | extra
     base = report["methods"]["baseline"]["overall"]
     assert base["speedup"] == 1.0 and base["identical_rate"] == 1.0 and base["tau"] == 1.0
     for name in ours:
         assert report["methods"][name]["overall"]["identical_rate"] == 1.0  # fp32: exact
-    assert out.with_suffix(".md").read_text().startswith("| method |")
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith(f"# Bench: {tmp_path / 'tiny'}, float32\n")
+    for said in ("- machine: ", "threads", f"- prompts: `{prompts}`, 2 prompts: qa 1, writing 1; 12 new tokens",
+                 "- command: `tokenmaxx bench --backbone "):
+        assert said in md, said
+    assert "| method |" in md
     rows = [json.loads(line) for line in out.with_suffix(".prompts.jsonl").read_text().splitlines()]
     raw = {"baseline", "compiled:eager", "prompt_lookup:2", "prompt_lookup:4", *ours}  # every setting, before the best
     assert {r["method"] for r in rows} == raw and len(rows) == len(raw) * report["config"]["prompt_count"]
@@ -126,7 +132,7 @@ def test_a_bench_whose_budget_ends_before_its_first_prompt_says_so_and_keeps_the
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["methods"] == {} and report["config"]["prompt_count"] == 0
     assert set(report["config"]["notes"]["warmup_seconds"]) == {"baseline", "lookup"}
-    assert out.with_suffix(".md").read_text().startswith("No prompt finished. Warm-up, untimed")
+    assert out.with_suffix(".md").read_text().split("\n\n", 2)[2].startswith("No prompt finished. Warm-up, untimed")
 
 
 def _prompts(n: int, categories=("qa", "math")) -> list[Prompt]:
@@ -219,3 +225,37 @@ def test_the_batch_bench_runs_every_prompt_at_every_size_and_records_what_it_cho
     calls.clear()  # past its deadline: the warm-up only, and no size to report
     assert run_batch_benchmark(model, gen, prompts, [1, 2], max_new_tokens=6, progress=False,
                                deadline=time.perf_counter() - 1) == {} and calls == [[4]]
+
+
+def test_the_limit_applies_per_category_as_written_and_grouping_says_what_it_kept(tmp_path):
+    """--limit 1 on a file of writing, math and qa prompts runs one of each, under those names; Spec-Bench's grouping
+    (--group_mt_bench) puts writing and math in one mt_bench column, limits the group, and says what it kept."""
+    path = tmp_path / "p.jsonl"
+    rows = [("writing", "a poem"), ("writing", "a song"), ("math", "two plus two"), ("qa", "why"), ("qa", "how")]
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, (c, t) in enumerate(rows)))
+    tok = tiny_tokenizer()
+    kept = load_prompts(path, tok, limit=1)
+    assert [p.category for p in kept] == ["writing", "math", "qa"] and [p.question_id for p in kept] == [0, 2, 3]
+    assert selection_note(kept) == "3 prompts: writing 1, math 1, qa 1"
+    grouped = load_prompts(path, tok, limit=1, group_mt_bench=True)
+    assert [(p.category, p.written) for p in grouped] == [("mt_bench", "writing"), ("qa", "qa")]
+    assert selection_note(grouped) == "2 prompts: mt_bench 1 (writing 1), qa 1"
+    assert selection_note(load_prompts(path, tok, group_mt_bench=True)) == \
+        "5 prompts: mt_bench 3 (math 1, writing 2), qa 2"
+
+
+def test_the_plots_legend_covers_no_bar():
+    """The legend sits below both panels: its box overlaps no bar's (it used to cover the first panel's bars)."""
+    import matplotlib.pyplot as plt
+
+    cell = {"speedup": 1.8, "tau": 2.5}
+    methods = {f"method {i}": {"overall": cell, "categories": {c: cell for c in ("qa", "rag", "math", "writing")}}
+               for i in range(6)}
+    fig = figure({"methods": methods, "config": {"backbone": "b", "dtype": "float32", "threads": 2,
+                                                 "max_new_tokens": 8}})
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0].get_window_extent(renderer)
+    bars = [patch.get_window_extent(renderer) for ax in fig.axes for patch in ax.patches]
+    assert len(bars) == 2 * 6 * 5 and not any(legend.overlaps(bar) for bar in bars)
+    plt.close(fig)

@@ -419,3 +419,73 @@ def test_training_commands_share_the_defaults_of_generate(monkeypatch, tmp_path)
     assert train.threads == data.threads == evaluation.threads == generate.GenerateArgs().threads == 2
     assert all("data" in {f.name for f in dataclasses.fields(c)} for c in (TrainConfig, DataConfig,
                                                                          eval_heads.EvalArgs))
+
+
+# ---- the user's path: help, warnings and Ctrl-C through the console command ----------------------------------------
+def test_generate_help_names_the_eagle3_trees_and_says_what_the_negative_flag_does():
+    text = " ".join(run(CONSOLE, "generate", "--help").stdout.split())  # (argparse wraps lines)
+    assert "EAGLE-3 and MTP heads" in text and "the shipped default heads are EAGLE-3" in text
+    negative = text[text.index("--no_adaptive_budget, --no-adaptive-budget ") :][:80]
+    assert negative.startswith("--no_adaptive_budget, --no-adaptive-budget the same as --adaptive_budget false")
+    assert "(default: False)" not in negative
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_an_emulated_half_precision_dtype_is_one_warning_line_from_the_command(tiny_folders, dtype):
+    """On a CPU that emulates the dtype (ONEDNN_MAX_CPU_ISA=AVX2 makes any CPU one, as for oneDNN's products it is),
+    generate says so in one `warning:` line naming the dtype and --dtype float32; float32 says nothing."""
+    import os
+
+    backbone, heads = tiny_folders
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+    def warnings_of(dtype: str) -> list[str]:
+        proc = subprocess.run([str(CONSOLE), "generate", "--backbone", str(backbone), "--heads", str(heads), "--dtype",
+                               dtype, "--threads", "1", "--max_new_tokens", "4", "--raw", "--prompt", "a b c",
+                               "--no_adaptive_budget"], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "EmulatedDtypeWarning" not in proc.stderr and "warnings.warn" not in proc.stderr  # one line, no code
+        return [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+
+    [line] = warnings_of(dtype)
+    assert line.startswith(f"warning: {dtype} on this CPU") and f"no native {dtype} support" in line
+    assert "--dtype float32" in line
+    assert warnings_of("float32") == []
+
+
+def test_ctrl_c_ends_a_command_in_one_line_and_status_130(tiny_folders):
+    """SIGINT (Ctrl-C) while generate runs, whether it is still importing or already generating: one line on stderr,
+    no traceback, exit status 130. A long --compare keeps it busy."""
+    import signal
+    import time
+
+    backbone, heads = tiny_folders
+    proc = subprocess.Popen([str(CONSOLE), "generate", "--backbone", str(backbone), "--heads", str(heads), "--dtype",
+                             "float32", "--threads", "1", "--max_new_tokens", "16", "--raw", "--prompt", "a b c a b",
+                             "--compare", "--repeats", "100000", "--no_adaptive_budget"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    time.sleep(6)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]  # still running
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C)"
+
+
+def test_ctrl_c_in_a_script_main_is_one_line_unless_debugging(capsys, monkeypatch):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    from tokenmaxx.scripts.errors import run_script
+
+    assert run_script(interrupted, []) == 130
+    assert capsys.readouterr().err.strip() == "interrupted (Ctrl-C)"
+    with pytest.raises(KeyboardInterrupt):
+        run_script(interrupted, ["--debug"])
+    from tokenmaxx.scripts import train_heads
+
+    monkeypatch.setattr(train_heads, "train", lambda cfg: interrupted([]))  # a script with its own note
+    argv = ["--data", "d", "--output_dir", "o", "--backbone", "b"]
+    assert run_script(train_heads.main, argv) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C): the checkpoints written so far are kept; "
+                                                    "the same command with --resume goes on from the last")

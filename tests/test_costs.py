@@ -139,6 +139,20 @@ def test_the_method_imports_nothing_of_the_measuring_and_packages_import_one_way
             assert not {m for m in _imports(path) if m.startswith("heads.io") or m == "io"}, path.name
 
 
+def test_the_announced_duration_is_the_forwards_times_one_timed_verify(monkeypatch):
+    """The first-use notice says minutes: its forwards times one verify timed here (a stubbed clock: 0.5 s each)."""
+    import itertools
+
+    import tokenmaxx.inference.measure as measure
+
+    ticks = itertools.count(step=0.5)
+    monkeypatch.setattr(measure, "clock", lambda device: next(ticks))
+    model = tiny_model("llama", seed=2)
+    assert measure._duration(400, model) == "about 3 minutes"  # 400 x 0.5 s = 200 s
+    assert measure._duration(100, model) == "about 1 minute"
+    assert measure._duration(60, model) == "under a minute"
+
+
 @pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
 def test_the_first_measurement_is_announced_in_one_line_and_then_read_from_the_cache(monkeypatch, tmp_path, capsys):
     """What is measured and why, about how much, where it is cached and how to skip it: one line, once per backbone,
@@ -156,9 +170,10 @@ def test_the_first_measurement_is_announced_in_one_line_and_then_read_from_the_c
     assert len(lines) == 1, lines
     [line] = lines
     for said in ("measuring this machine once for", "(float32, cpu: ", "transposed products", "verify latency",
-                 "proposing time", "4 and 16 rows together", "backbone forwards",
-                 f"Cached in {tmp_path / 'calibration'}", "costs=None"):
+                 "proposing time", "4 and 16 rows together", "under a minute",  # (a tiny model's forwards)
+                 f"Cached in {tmp_path / 'calibration'}", "costs=None", "--no_adaptive_budget"):
         assert said in line, (said, line)
+    assert "forwards" not in line and "--adaptive_budget false" not in line  # time, and the flag a user types
     assert gen.costs.small_rows == {2: "all"} and gen.costs.propose_seconds == 0.002
     assert gen.costs.propose_rows == {4: 0.004, 16: 0.016}
     SpeculativeGenerator.create(model, heads, draft="hybrid")  # everything cached: not a word

@@ -20,7 +20,7 @@ from tokenmaxx.heads import Prefill, Tree
 from tokenmaxx.heads.attention import shared_kv_kwargs, shares_kv_heads, use_shared_kv_attention
 from tokenmaxx.heads.machine import cpu_isa, device_name
 from tokenmaxx.heads import machine
-from tokenmaxx.inference import EmulatedBf16Warning, SpeculativeGenerator, generator, verify
+from tokenmaxx.inference import EmulatedBf16Warning, EmulatedDtypeWarning, SpeculativeGenerator, generator, verify
 from tokenmaxx.inference.benchmark import Prompt, hf_method, run_benchmark
 from tokenmaxx.inference.measure.store import calibration_key, machine_fingerprint
 from tokenmaxx.inference.decoding import tree_attention_bias
@@ -233,10 +233,9 @@ def test_calibration_keys_tell_cpus_of_one_name_and_isa_apart(monkeypatch, tmp_p
 
 
 @pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
-def test_bf16_on_a_cpu_without_native_bf16_is_warned_about_when_loading(monkeypatch, tmp_path):
-    """On an AVX2-only CPU bf16 verifies cost nearly a decode step per token (docs/benchmarks.md): from_pretrained says
-    so when bf16 is asked for and names the fix; with native bf16, or in fp32, it says
-    nothing. Its default dtype ("auto") is float32 on such a CPU and bfloat16 where bf16 is native."""
+def test_half_precision_on_a_cpu_that_emulates_it_is_warned_about_when_loading(monkeypatch, tmp_path):
+    """load_backbone (so from_pretrained and every command) warns for bf16 and fp16 where this CPU emulates them,
+    and auto picks float32 there; where bf16 is native, neither warns and auto picks bf16."""
     from tiny_tokenizer import tiny_tokenizer
 
     from tokenmaxx.heads.io import backbones
@@ -251,17 +250,18 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned_about_when_loading(monkeypa
                                                    device="cpu", costs=None, **dtype)  # the warning, not the costs
         return gen.model.get_output_embeddings().weight.dtype
 
-    assert backbones.cpu_has_native_bf16() in (True, False)
-    for module in (generator, backbones):
-        monkeypatch.setattr(module, "cpu_has_native_bf16", lambda: False)
-    with pytest.warns(EmulatedBf16Warning, match=r"no native bf16 support.*dtype='float32' is faster here"):
-        load(dtype="bfloat16")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # any CPU is an AVX2-only one to oneDNN's products then
+    for name in ("bfloat16", "float16"):
+        said = rf"{name} on this CPU .*no native {name} support.*float32 is faster here \(dtype='float32', or --dtype "
+        with pytest.warns(EmulatedDtypeWarning, match=said + r"float32\)"):
+            load(dtype=name)
+    assert EmulatedBf16Warning is EmulatedDtypeWarning  # (its earlier name)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", EmulatedBf16Warning)
+        warnings.simplefilter("error", EmulatedDtypeWarning)
         assert load(dtype="float32") == torch.float32
         assert load() == torch.float32  # the default picks fp32 here
-        for module in (generator, backbones):
-            monkeypatch.setattr(module, "cpu_has_native_bf16", lambda: True)
+        monkeypatch.setattr(backbones, "cpu_has_native_bf16", lambda: True)
+        monkeypatch.setattr(backbones, "cpu_dtype_is_emulated", lambda dtype: False)
         assert load(dtype="bfloat16") == torch.bfloat16
         assert load() == torch.bfloat16  # and bf16 where it is native
 

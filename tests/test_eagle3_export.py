@@ -226,7 +226,16 @@ def test_the_export_command(tmp_path, capsys):
     heads = Eagle3Heads.for_backbone(model, num_heads=2)
     heads.save_pretrained(tmp_path / "heads")
     assert export_heads.main(["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "out")]) == 0
-    assert "wrote eagle3 checkpoint" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    printed = printed[next(i for i, line in enumerate(printed) if line.startswith("wrote")):]  # (after any library's)
+    assert printed[0].startswith(f"wrote eagle3 checkpoint {tmp_path / 'out'} (bfloat16): ")
+    # what a user needs to serve it: the backbone folder, and each engine's command for this export
+    assert printed[1] == f"backbone to serve (the weights the heads were trained on): {path}"
+    config = json.dumps({"method": "eagle3", "model": str(tmp_path / "out"), "num_speculative_tokens": 2})
+    assert printed[2] == f"serve with vLLM: vllm serve {path} --speculative-config '{config}'"
+    assert printed[3].startswith(f"serve with SGLang: python -m sglang.launch_server --model-path {path} "
+                                 "--speculative-algorithm EAGLE3 --speculative-draft-model-path "
+                                 f"{tmp_path / 'out'} --speculative-num-steps 2 --speculative-eagle-topk ")
     state, cfg = _read(tmp_path / "out")
     assert cfg["torch_dtype"] == "bfloat16" and state["fc.weight"].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown --format 'gguf'"):

@@ -120,3 +120,61 @@ def test_two_threads_on_one_backbone_give_the_sequential_outputs(draft):
             t.join(timeout=120)
         assert results == sequential
     assert dict(os.environ) == environment
+
+
+def test_a_raw_text_prompt_that_ends_at_once_on_a_chat_backbone_is_warned_about_once(gen):
+    """A string is raw text; on a backbone with a chat template, a text prompt that ends at once with no answer gets
+    one RawTextPromptWarning naming the fix (chat messages); a chat prompt, a text that answers, and a tokenizer
+    without a chat template get none."""
+    import warnings
+
+    from tokenmaxx.inference import RawTextPromptWarning
+
+    gen.tokenizer = tokenizer = tiny_tokenizer()
+    first = gen.generate("a b c", max_new_tokens=1).new_tokens[0]  # what the tiny backbone says first
+    chat = [{"role": "user", "content": "a b c"}]
+    assert gen.generate(chat, max_new_tokens=1).new_tokens[0] != first  # (so the chat does not end at once)
+    gen.model.generation_config.eos_token_id = first  # the raw text now ends at once, as an instruct model's does
+
+    def said(prompt, times: int = 1) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # Python's own: a warning shown once per place
+            for _ in range(times):
+                gen.generate(prompt, max_new_tokens=8)
+        return [str(w.message) for w in caught if issubclass(w.category, RawTextPromptWarning)]
+
+    [message] = said("a b c", times=3)  # once, however often
+    assert "a string is raw text" in message and "[{'role': 'user', 'content': text}]" in message
+    assert len(said(["a b c", "a b c"])) == 1  # a batch of texts: the same warning
+    assert said(chat) == [] and said([chat, chat]) == []
+    gen.model.generation_config.eos_token_id = None
+    assert said("a b c") == []  # it answered
+    gen.model.generation_config.eos_token_id = first
+    tokenizer.chat_template = None
+    assert said("a b c") == []  # a base model: raw text is what it takes
+
+
+def test_a_batch_rows_stats_leave_unmeasured_times_none_and_tau_follows_its_definition(gen):
+    """A batch is timed as a whole: its rows' own times are None (not 0.0), and a row that made its one token in
+    the prefill has tau 1.0 (one token per forward), as a single prompt's does."""
+    out = gen.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=[1, 8])
+    for row in out.rows:
+        s = row.stats
+        assert (s.prefill_seconds, s.decode_seconds, s.phase_seconds, s.wall_seconds, s.tokens_per_s) == \
+            (None, None, None, None, None)
+        assert s.to_dict()["wall_seconds"] is None
+    assert out.rows[0].stats.steps == 0 and out.rows[0].stats.mean_tau == 1.0
+    assert out.rows[1].stats.mean_tau >= 1.0 and out.stats.wall_seconds > 0 and out.stats.tokens_per_s > 0
+    alone = gen.generate([3, 4, 5], max_new_tokens=1).stats
+    assert alone.steps == 0 and alone.mean_tau == 1.0 and alone.wall_seconds > 0
+
+
+def test_a_seeded_sampled_batch_is_the_same_run_to_run(gen):
+    """What the README promises of a sampled batch: the same seed, the same rows, every time (a row need not equal its
+    prompt sampled alone with that seed: the rows share one random stream)."""
+    prompts = [[3, 4, 5], [6, 7, 8, 9], [10, 11]]
+
+    def sampled(seed: int) -> list[list[int]]:
+        return gen.generate(prompts, max_new_tokens=12, do_sample=True, temperature=1.5, seed=seed).new_tokens
+
+    assert sampled(1) == sampled(1) and sampled(1) != sampled(2)

@@ -183,7 +183,19 @@ def test_heldout_metrics_count_targets_outside_the_loss_vocabulary_as_misses(bac
     for name, vocab in (("all", None), ("never", never), ("everything", torch.arange(96).flip(0))):
         objective = HeadsObjective(heads, vocab=vocab)
         results[name] = evaluate(objective, model.lm_head, features, data, chain(2), 4, 0, 1)
+    # ranked over a vocabulary the objective does not score over (train's held-out record with --loss_vocab full,
+    # `tokenmaxx eval` on its heads): the ranks of an objective over that vocabulary, the loss the objective's own
+    half = torch.arange(0, 96, 2)
+    over = evaluate(HeadsObjective(heads, vocab=half), model.lm_head, features, data, chain(2), 4, 0, 1)
+    ranked = evaluate(HeadsObjective(heads), model.lm_head, features, data, chain(2), 4, 0, 1, rank_vocab=half)
+    assert ranked.pop("eval_loss") == results["all"]["eval_loss"]  # the objective's loss, over every token
+    assert over.pop("eval_loss") != results["all"]["eval_loss"]
+    assert ranked == over and over["vocab"] == "draft" and max(over["head_top1"]) > 0
+    assert over["head_top1"] != results["all"]["head_top1"]  # (the vocabulary matters: the comparison can fail)
+    with pytest.raises(ValueError, match="rank_vocab is for an objective over the whole vocabulary"):
+        evaluate(HeadsObjective(heads, vocab=half), model.lm_head, features, data, chain(2), 4, 0, 1, rank_vocab=half)
     # the whole vocabulary in another order: the same metrics (the loss up to the softmax's summation order)
+    assert (results["everything"].pop("vocab"), results["all"].pop("vocab")) == ("draft", "full")
     assert results["everything"].pop("eval_loss") == pytest.approx(results["all"].pop("eval_loss"), rel=1e-5)
     assert results["everything"] == results["all"]
     assert max(results["all"]["head_top5"]) > 0

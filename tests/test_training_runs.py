@@ -252,27 +252,31 @@ def _tagged(data_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_evaluating_exported_heads_reproduces_the_runs_held_out_metrics(tmp_path, backbone_dir, data_dir, capsys):
+@pytest.mark.parametrize("loss_vocab", ["draft", "full"])
+def test_evaluating_exported_heads_reproduces_the_runs_held_out_metrics(tmp_path, backbone_dir, data_dir, capsys,
+                                                                        loss_vocab):
     """evaluate_heads / scripts/eval_heads.py on a run's export and data, with the run's split flags: the same rows
-    and the same figures as the trainer's final held-out record (overall and per category, over the draft vocabulary
-    the run trained on); --split all scores every row; bad flags end in one error."""
+    and the same figures as the trainer's final held-out record (overall and per category), both ranked over the
+    draft vocabulary the heads draft over, whether the run's loss was over it or over every token (then both records
+    say "vocab": "draft", and the loss is the run's); --split all scores every row; bad flags end in one error."""
     from tokenmaxx.scripts import eval_heads
     from tokenmaxx.training.evaluation import evaluate_heads
 
     tagged = _tagged(data_dir, tmp_path / "tagged")
     model, _ = load_backbone(str(backbone_dir))
-    run = dict(kind="eagle3", feature_layers=[0, 1, 2], draft_vocab_size=40, loss_vocab="draft", eval_fraction=0.3,
+    run = dict(kind="eagle3", feature_layers=[0, 1, 2], draft_vocab_size=40, loss_vocab=loss_vocab, eval_fraction=0.3,
                max_steps=4, save_every=0)
     result = train(make_cfg(tagged, tmp_path / "run", **run), model=model)
     heads = load_heads(result.export_dir)
     split = dict(seq_len=48, eval_fraction=0.3, eval_max_examples=256, seed=0)
     found = evaluate_heads(heads, model, tagged, **split)
-    assert found["vocab"] == "draft" and found["split"] == "held_out"
+    assert found["split"] == "held_out"
     for got, want in [(found, result.metrics)] + [(found["by_category"][c], m)
                                                  for c, m in result.metrics["by_category"].items()]:
         assert got["eval_positions"] == want["eval_positions"]
         for key in ("head_top1", "head_top5", "tree_tau_empirical", "eval_loss"):
             assert got[key] == pytest.approx(want[key], abs=2e-4), key
+    assert found["vocab"] == result.metrics["vocab"] == "draft"  # both records say what they ranked over
     assert set(found["by_category"]) == {"short", "long"}
     everything = evaluate_heads(heads, model, tagged, split="all", vocab="full", **split)
     assert everything["examples"] == len(load_data(tagged, **split).examples) > found["examples"]
@@ -328,6 +332,23 @@ def test_train_over_the_draft_vocabulary(tmp_path, backbone_dir, data_dir):
         make_cfg(data_dir, tmp_path / "d", loss_vocab="draft")
     with pytest.raises(ValueError, match=r"--loss_vocab must be one of \('full', 'draft'\), got 'some'"):
         make_cfg(data_dir, tmp_path / "d", loss_vocab="some", draft_vocab_size=24)
+
+
+def test_a_draft_vocabulary_larger_than_the_data_shrinks_with_one_note(tmp_path, backbone_dir, data_dir, capsys):
+    """--draft_vocab_size above the distinct tokens of the training sequences: the vocabulary is what the data has,
+    and one note says so and why (it used to shrink without a word)."""
+    model, _ = load_backbone(str(backbone_dir))
+    result = train(make_cfg(data_dir, tmp_path / "run", kind="mtp", draft_vocab_size=4096, max_steps=1, warmup=1,
+                            save_every=0),
+                   model=model)
+    size = load_heads(result.export_dir).draft_vocab.numel()
+    assert size < 96  # the tiny vocabulary's tokens the data holds
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--draft_vocab_size" in line]
+    assert notes == [f"note: --draft_vocab_size 4096 shrank to {size}: the training sequences hold only {size} "
+                     "distinct tokens (more data gives a larger draft vocabulary)"]
+    train(make_cfg(data_dir, tmp_path / "fits", kind="mtp", draft_vocab_size=24, max_steps=1, warmup=1, save_every=0),
+          model=model)
+    assert "shrank" not in capsys.readouterr().err
 
 
 def _train_heads_main():

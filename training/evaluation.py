@@ -55,13 +55,20 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
     lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     device = lm_head.weight.device
     heads = copy.deepcopy(heads).to(device=device, dtype=lm_head.weight.dtype).eval()  # the caller's stay as they are
-    objective = HeadsObjective(heads, "ce", vocab=heads.draft_vocab.cpu() if vocab == "draft" else None)
+    # the loss the heads' run trained with (recorded beside them; hand-made heads: cross-entropy, every token), so
+    # that this and the run's last held-out record are one computation on the same rows
+    training = recorded_training(heads.config)
+    draft = heads.draft_vocab.cpu() if heads.draft_vocab is not None else None
+    loss_over_draft = training.get("loss_vocab") == "draft" and vocab == "draft"
+    objective = HeadsObjective(heads, training.get("loss", "ce"), training.get("head_decay", 0.8),
+                               vocab=draft if loss_over_draft else None)
+    rank_vocab = draft if vocab == "draft" and not loss_over_draft else None
     features = BackboneFeatures(model, data, heads.feature_layers)
     tree = scoring_tree(heads)
 
     def run(selected: list[int]) -> dict:
         return evaluate(objective, lm_head, features, data, tree, micro_batch_size, rank=0, world=1, embed=embed,
-                        rows=selected)
+                        rows=selected, rank_vocab=rank_vocab)
 
     with torch.inference_mode():
         metrics = {"examples": len(rows), "split": split, "vocab": vocab, **run(rows)}
@@ -74,10 +81,16 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
 SPLIT_FIELDS = ("seq_len", "eval_fraction", "eval_max_examples", "seed")  # what decides a run's held-out rows
 
 
+def recorded_training(heads_config) -> dict:
+    """The TrainConfig the training run of these heads recorded in ``extra["training"]`` (empty for untrained or
+    hand-made heads)."""
+    extra = heads_config.extra if isinstance(heads_config.extra, dict) else {}
+    return extra.get("training") if isinstance(extra.get("training"), dict) else {}
+
+
 def recorded_split(heads_config) -> dict:
     """The split settings (``SPLIT_FIELDS``) the training run of these heads recorded in ``extra["training"]`` (its
     TrainConfig); those it does not record are left out (untrained or hand-made heads: none)."""
-    extra = heads_config.extra if isinstance(heads_config.extra, dict) else {}
-    training = extra.get("training") if isinstance(extra.get("training"), dict) else {}
+    training = recorded_training(heads_config)
     return {name: training[name] for name in SPLIT_FIELDS
             if isinstance(training.get(name), (int, float)) and not isinstance(training.get(name), bool)}

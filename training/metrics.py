@@ -119,12 +119,21 @@ def _round(values: torch.Tensor) -> list[float]:
 
 @torch.no_grad()
 def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, micro_batch_size: int, rank: int,
-             world: int, all_reduce=None, embed=None, rows: list[int] | None = None) -> dict:
+             world: int, all_reduce=None, embed=None, rows: list[int] | None = None,
+             rank_vocab: torch.Tensor | None = None) -> dict:
     """Held-out loss and accuracy metrics of ``objective.heads``; every rank evaluates its share, then all_reduce.
     ``embed``: the backbone's input embedding, for heads that read tokens (the sequential kinds, EAGLE-3 and MTP).
-    ``rows``: these held-out rows only (default: all of ``data.eval``)."""
+    ``rows``: these held-out rows only (default: all of ``data.eval``). The loss is the objective's; the ranks are
+    over the objective's vocabulary, or over ``rank_vocab`` (token ids: a draft vocabulary the objective does not
+    score over; a target outside it is a miss). ``vocab`` in the result says which: "draft" or "full"."""
     num_heads = objective.heads.config.num_heads
     device = lm_head.weight.device
+    if rank_vocab is not None and objective.vocab is not None:
+        raise ValueError("rank_vocab is for an objective over the whole vocabulary; this one has its own")
+    ranked = None
+    if rank_vocab is not None:  # [V] True at the tokens ranked
+        ranked = torch.zeros(lm_head.weight.shape[0], dtype=torch.bool, device=device)
+        ranked[rank_vocab.to(device)] = True
     counts = RankCounts(num_heads, tree, device)
     loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # [weighted loss * positions, positions]
     was_training = objective.training
@@ -140,9 +149,13 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
                                            torch.where(trained, targets, 0).flatten(),
                                            sel.teacher, None if sel.row is None else sel.row.clamp(min=0).flatten())
         loss, _ = objective.loss(ce.view(num_heads, n), kl.view(num_heads, n), hit.view(num_heads, n), trained)
+        in_vocab = sel.in_vocab
+        if ranked is not None:  # ranked over the draft vocabulary alone
+            logits = logits.masked_fill(~ranked, float("-inf"))
+            in_vocab = ranked[targets]
         ranks = target_ranks(logits, targets)
-        if sel.in_vocab is not None:  # a target outside the loss vocabulary can never be guessed: a miss at every rank
-            ranks = torch.where(sel.in_vocab, ranks, torch.iinfo(ranks.dtype).max)
+        if in_vocab is not None:  # a target outside the ranked vocabulary can never be guessed: a miss at every rank
+            ranks = torch.where(in_vocab, ranks, torch.iinfo(ranks.dtype).max)
         counts.add(ranks, valid)
         n = valid.any(0).sum().double()
         loss_sum += torch.stack([loss.detach().double() * n, n])
@@ -151,7 +164,8 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
     if all_reduce is not None:
         all_reduce(flat)
     counts.load(flat[:-2])
-    return {"eval_loss": round(float(flat[-2] / flat[-1].clamp(min=1)), 5), **counts.summary()}
+    vocab = "draft" if objective.vocab is not None or rank_vocab is not None else "full"
+    return {"eval_loss": round(float(flat[-2] / flat[-1].clamp(min=1)), 5), "vocab": vocab, **counts.summary()}
 
 
 class MetricsLogger:

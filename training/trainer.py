@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,7 +312,14 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
         start_from(heads, init, model)
     tree = scoring_tree(heads)  # the held-out tau's tree: the serving tree, or one of its node budget
     vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
+    if vocab_record is not None and vocab_record["size"] < cfg.draft_vocab_size and rank == 0:
+        print(f"note: --draft_vocab_size {cfg.draft_vocab_size} shrank to {vocab_record['size']}: the training "
+              f"sequences hold only {vocab_record['size']} distinct tokens (more data gives a larger draft "
+              "vocabulary)", file=sys.stderr, flush=True)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None)
+    # held-out ranks over what the exported heads draft over (their draft vocabulary, where the run makes one), as
+    # ``tokenmaxx eval`` scores them: one computation, labelled "vocab" in both records
+    rank_vocab = vocab if objective.vocab is None else None
     identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world, seen)  # checked before any work
     resumed = checkpoints.prepare(cfg.checkpoint_dir, identity, cfg.resume, rank)
     _barrier()
@@ -378,11 +386,12 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
             return result
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
             logger.log({"split": "eval", "step": step, **_evaluate(objective, lm_head, embed, features, data, tree,
-                                                                  cfg, rank, world)})
+                                                                  cfg, rank, world, rank_vocab=rank_vocab)})
     bar.close()
     if saved_at != step:
         checkpoints.save(engine, cfg.checkpoint_dir, step, cfg.keep_checkpoints, rank, progress())
-    result.metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world, by_category=True)
+    result.metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world, by_category=True,
+                               rank_vocab=rank_vocab)
     logger.log({"split": "eval", "step": step, **result.metrics})
     logger.close()
     result.steps = step
@@ -412,12 +421,12 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
 
 
 def _evaluate(objective, lm_head, embed, features, data, tree, cfg: TrainConfig, rank: int, world: int,
-              by_category: bool = False) -> dict:
+              by_category: bool = False, rank_vocab: torch.Tensor | None = None) -> dict:
     """Held-out metrics; ``by_category``: also per category of the data (``by_category``: {category: metrics}), when
-    it has more than one."""
+    it has more than one. ``rank_vocab``: ``metrics.evaluate``'s."""
     def run(rows=None):
         return evaluate(objective, lm_head, features, data, tree, cfg.micro_batch_size, rank, world,
-                        all_reduce=_all_reduce if world > 1 else None, embed=embed, rows=rows)
+                        all_reduce=_all_reduce if world > 1 else None, embed=embed, rows=rows, rank_vocab=rank_vocab)
 
     metrics = run()
     groups = data.eval_by_category() if by_category else {}

@@ -14,6 +14,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +22,29 @@ import torch
 
 from ..config import backbone_identity  # noqa: F401  (re-exported beside the loader that records the identity)
 from ..attention import use_shared_kv_attention
-from ..machine import cpu_has_native_bf16
+from ..machine import cpu_dtype_is_emulated, cpu_has_native_bf16, cpu_isa, cpu_name
 
 DEFAULT_BACKBONE = "smollm2-135m"
 CACHE_ENV = "TOKENMAXX_CACHE"
 DEVICE_HELP = "where the backbone runs: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N"
+
+
+class EmulatedDtypeWarning(UserWarning):
+    """The backbone runs on a CPU in a half-precision dtype that CPU does not compute natively (bf16 without AVX-512
+    BF16 / AMX, fp16 without AVX-512 FP16 / AMX FP16): every product is converted through fp32, so it is slower than
+    float32, and a tree verify of several tokens costs nearly as much as decoding them one by one."""
+
+
+def warn_if_dtype_is_emulated(model) -> None:
+    """``EmulatedDtypeWarning`` when ``model`` runs on a CPU in a dtype it emulates (``load_backbone`` calls it, so
+    every command and ``from_pretrained`` say it)."""
+    weight = model.get_output_embeddings().weight
+    if weight.device.type == "cpu" and cpu_dtype_is_emulated(weight.dtype):
+        name = str(weight.dtype).removeprefix("torch.")
+        warnings.warn(EmulatedDtypeWarning(
+            f"{name} on this CPU ({cpu_name()}, {cpu_isa()}) has no native {name} support: every product is "
+            "converted through float32, so generation is slower than in float32 and speculative decoding barely "
+            "pays; float32 is faster here (dtype='float32', or --dtype float32)"), stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -265,6 +284,7 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: torch.dtype | str
     # on a CPU, tree forwards of grouped-query layers may then let SDPA share the key/value heads (every other forward
     # computes what "sdpa" does): the generator reads that off the model and changes nothing on it
     use_shared_kv_attention(model)
+    warn_if_dtype_is_emulated(model)
     return model, tokenizer
 
 

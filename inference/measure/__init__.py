@@ -17,8 +17,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from tokenmaxx.heads import backbone_identity, cache_dir
-from tokenmaxx.heads.machine import device_name
+from tokenmaxx.heads.machine import clock, device_name
 
 from ..costs import Costs
 from .autotune import Calibration, is_auto, resolve_auto
@@ -46,10 +48,33 @@ def measure_costs(model, heads=None, tree=None, draft_vocab: bool = True, small_
     return Costs(latency=latency, propose_seconds=propose, small_rows=plan, propose_rows=together)
 
 
+SKIP_FLAG = "tokenmaxx generate --no_adaptive_budget"  # what skips the measuring on the command line
+PROBE_PREFIX, PROBE_NODES = 512, 16  # the verify the estimate times: a mid-sized tree over a mid-sized prefix
+
+
+def _duration(forwards: int, model) -> str:
+    """About how long ``forwards`` verify-sized backbone forwards take here, from one timed after a warm-up (a prefill
+    of ``PROBE_PREFIX`` tokens and two verifies of ``PROBE_NODES``: a second or so, against minutes)."""
+    device = model.get_output_embeddings().weight.device
+    context = getattr(model.config, "max_position_embeddings", None) or PROBE_PREFIX + PROBE_NODES
+    prefix = max(1, min(PROBE_PREFIX, context - PROBE_NODES))
+    ids = torch.zeros(1, prefix + PROBE_NODES, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        cache = model(ids[:, :prefix], use_cache=True).past_key_values
+        for _ in range(2):  # the first warms up
+            start = clock(device)
+            model(ids[:, prefix:], past_key_values=cache, use_cache=True)
+            seconds = (clock(device) - start) * forwards
+            cache.crop(-PROBE_NODES)  # (transformers 5: a negative count removes that many positions)
+    minutes = round(seconds / 60)
+    return "under a minute" if minutes < 1 else f"about {minutes} minute{'s' if minutes > 1 else ''}"
+
+
 def announce_measuring(model, heads=None, tree=None, draft_vocab: bool = True, small_rows: dict | None = None,
                        cache_root: Path | None = None, refresh: bool = False) -> str | None:
-    """One line on stderr before ``measure_costs`` measures anything: what it measures and why, about how much work,
-    where it is cached and how to skip it; nothing (None) when every part is read from the cache. Returns the line."""
+    """One line on stderr before ``measure_costs`` measures anything: what it measures and why, about how long it
+    takes here (one verify timed), where it is cached and how to skip it; nothing (None) when every part is read
+    from the cache. Returns the line."""
     parts, forwards = [], 0
     plan_path = small_rows_path(model, cache_root) if small_rows is None else None
     if plan_path is not None and (refresh or not plan_path.is_file()):
@@ -78,10 +103,10 @@ def announce_measuring(model, heads=None, tree=None, draft_vocab: bool = True, s
     ident, _ = backbone_identity(model)
     weight = model.get_output_embeddings().weight
     line = (f"tokenmaxx: measuring this machine once for {ident or type(model).__name__} "
-            f"({str(weight.dtype).removeprefix('torch.')}, {device_name(weight.device)}): {'; '.join(parts)} - about "
-            f"{forwards} backbone forwards, so that each round's draft tree is sized to what a verify costs here. "
+            f"({str(weight.dtype).removeprefix('torch.')}, {device_name(weight.device)}): {'; '.join(parts)}, so "
+            f"that each round's draft tree is sized to what a verify costs here: {_duration(forwards, model)}. "
             f"Cached in {cache_root or cache_dir() / 'calibration'} and reused for this backbone, dtype and machine; "
-            "costs=None (generate.py --adaptive_budget false) skips it")
+            f"costs=None skips it ({SKIP_FLAG} on the command line)")
     print(line, file=sys.stderr)
     return line
 

@@ -177,7 +177,7 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3,
     for key, tree in tqdm(rounds, desc="tree='auto': timing the decode loop", unit="run", leave=False,
                           file=sys.stderr):
         _, s = speculative_decode(model, heads.drafter(model, tree), ids, max_new_tokens, accept_greedy, greedy_root,
-                                  eos, forward=forward)
+                                  eos, forward=forward, timed=True)
         samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
     return {key: statistics.median(values) for key, values in samples.items()}
 
