@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Export trained heads for a serving engine: an EAGLE-3 checkpoint that vLLM and SGLang load.
+"""Export trained heads for a serving engine: the EAGLE-3 checkpoint vLLM and SGLang load, or speculators' layout.
 
     python scripts/export_heads.py --heads DIR_OR_HUB_ID --format eagle3 --output_dir OUT [--dtype bfloat16]
+    python scripts/export_heads.py --heads DIR_OR_HUB_ID --format speculators --output_dir OUT [--verifier HUB_ID]
 
 It prints the backbone folder the engines must serve (the weights the heads were trained on: for an alias, its
-converted folder) and the ``vllm serve`` and SGLang commands for this export (README "Serving"). The backbone is
-loaded to read its lm_head rows at the draft vocabulary (default: the one the heads name). Heads without a draft
-vocabulary on a backbone of more than 65,536 tokens get a note with the file size and how to shrink it. Bad input ends
-in one `error:` line and exit status 2 (--debug: the traceback).
+converted folder) and the ``vllm serve``, SGLang and ``speculators convert`` commands for this export (README "Serve
+in vLLM / SGLang"); a speculators export names the backbone in its config (``--verifier``), and ``vllm serve OUT``
+serves it. The backbone is loaded to read its lm_head rows at the draft vocabulary (default: the one the heads name).
+Heads without a draft vocabulary on a backbone of more than 65,536 tokens get a note with the file size and how to
+shrink it. Bad input ends in one `error:` line and exit status 2 (--debug: the traceback).
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ import torch
 from tokenmaxx.heads import load_backbone, load_heads
 from tokenmaxx.heads.io.backbones import resolve_backbone
 from tokenmaxx.heads.io.eagle3_export import export_eagle3
+from tokenmaxx.heads.io.speculators_export import export_speculators
 from tokenmaxx.scripts.errors import flag_parser, run_script
 
-FORMATS = {"eagle3": export_eagle3}
+# format -> what it is for (the --format help)
+FORMATS = {"eagle3": "the EAGLE-3 checkpoint vLLM and SGLang take beside the backbone (--speculative-config / "
+                     "--speculative-draft-model-path)",
+           "speculators": "the vLLM project's speculators layout: speculators loads it with no flag and "
+                          "`vllm serve FOLDER` serves it alone (the backbone is named in it)"}
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SERVING_DTYPE = "bfloat16"  # --dtype auto: what vLLM and SGLang run EAGLE-3 drafts in on a GPU
 LARGE_VOCAB = 65536  # above this, an export without a draft vocabulary gets a note on its size
@@ -37,7 +44,11 @@ class ExportArgs:
     heads: str = field(metadata={"help": "heads folder or Hub id (kind eagle3 for --format eagle3)"})
     output_dir: str = field(metadata={"help": "folder to write (refused if it exists and is not empty, unless "
                                               "--overwrite)"})
-    format: str = field(default="eagle3", metadata={"help": f"checkpoint format, one of {sorted(FORMATS)}"})
+    format: str = field(default="eagle3", metadata={
+        "help": "checkpoint format: " + "; ".join(f"{name}: {what}" for name, what in FORMATS.items())})
+    verifier: str | None = field(default=None, metadata={
+        "help": "--format speculators: the backbone as the serving machine names it, written into the config (a Hub "
+                "id, or a folder there); default: the backbone's folder here"})
     backbone: str | None = field(default=None, metadata={
         "help": "backbone alias / folder / Hub id (default: the one the heads were made for)"})
     dtype: str = field(default="auto", metadata={
@@ -51,6 +62,9 @@ class ExportArgs:
             raise ValueError(f"unknown --format {self.format!r}: expected one of {sorted(FORMATS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.verifier is not None and self.format != "speculators":
+            raise ValueError("--verifier names the backbone inside a --format speculators export; the eagle3 format "
+                             "does not name it (the engines take it as their --model)")
 
 
 def size_note(heads, model, dtype: str) -> str | None:
@@ -95,14 +109,33 @@ def main(argv=None) -> int:
     note = size_note(heads, model, dtype)
     if note:
         print(note, file=sys.stderr, flush=True)
-    out = FORMATS[args.format](heads, model, args.output_dir, dtype=dtype, overwrite=args.overwrite).resolve()
-    print(f"wrote {args.format} checkpoint {out} ({dtype}): " + ", ".join(sorted(p.name for p in out.iterdir())))
     served = resolve_backbone(backbone)  # an alias's converted folder; a folder or Hub id as given
     served = str(Path(served).resolve()) if Path(served).exists() else served
+    if args.format == "speculators":
+        out = export_speculators(heads, model, args.output_dir, verifier=args.verifier or served, dtype=dtype,
+                                 overwrite=args.overwrite).resolve()
+    else:
+        out = export_eagle3(heads, model, args.output_dir, dtype=dtype, overwrite=args.overwrite).resolve()
+    print(f"wrote {args.format} checkpoint {out} ({dtype}): " + ", ".join(sorted(p.name for p in out.iterdir())))
+    if args.format == "speculators":
+        print(f"verifier named in it: {args.verifier or served}")
+        print(f"serve with vLLM: vllm serve {shlex.quote(str(out))}")
+        print(f"load with speculators: SpeculatorModel.from_pretrained({str(out)!r})")
+        return 0
     print(f"backbone to serve (the weights the heads were trained on): {served}")
     for engine, command in serve_commands(heads, served, out).items():
         print(f"serve with {engine}: {command}")
+    print(f"convert for speculators: {convert_command(heads, served, out)} (or export --format speculators)")
     return 0
+
+
+def convert_command(heads, backbone: str, out: Path) -> str:
+    """``speculators convert`` of an eagle3 export, with what its converter does not read from the config: the fused
+    layers and norm_before_residual (``--format speculators`` writes that layout directly)."""
+    kwargs = json.dumps({"eagle_aux_hidden_state_layer_ids": list(heads.feature_layers),
+                         "norm_before_residual": False})
+    return (f"speculators convert {shlex.quote(str(out))} --algorithm eagle3 --verifier {shlex.quote(backbone)} "
+            f"--algorithm-kwargs {shlex.quote(kwargs)} --output-path OUT")
 
 
 if __name__ == "__main__":

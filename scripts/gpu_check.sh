@@ -308,7 +308,8 @@ step env $PY -c "import sys, torch, transformers; print('python', sys.version.sp
 torch.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available() and \
 torch.cuda.get_device_name(0))"
 cat "$WORK/env.log" >>"$WORK/env.txt" 2>/dev/null
-BENCH=($PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --lookup_tokens 10 --draft heads)
+BENCH=($PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --group_mt_bench \
+       --lookup_tokens 10 --draft heads)
 # the bench and the identity run stop in time by themselves (--time_budget), short of the kill at their limit
 step bench "${BENCH[@]}" --dtype $DTYPE --out "$WORK/bench" --time_budget "$(allowed bench 25)" \
     --methods baseline,$COMPILED,prompt_lookup,lookup,tokenmaxx,tokenmaxx:$AUTO,hybrid,hybrid:$AUTO,medusa_hybrid \
@@ -324,8 +325,8 @@ step latency $PY scripts/device_check.py latency --device "$DEV" --dtype $DTYPE 
 step twin $PY scripts/device_check.py twin --device "$DEV" --dtype $DTYPE --threads $THREADS --out "$WORK/twin.json" \
     "${TWIN_ARGS[@]}"
 # batched generation against transformers' batched generate (stops starting batches at its time budget)
-step batch $PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --draft hybrid --dtype $DTYPE \
-    --out "$WORK/batch" --time_budget "$(allowed batch 10)" "${BATCH_ARGS[@]}"
+step batch $PY scripts/bench.py --device "$DEV" --threads $THREADS --prompts "$PROMPTS" --group_mt_bench \
+    --draft hybrid --dtype $DTYPE --out "$WORK/batch" --time_budget "$(allowed batch 10)" "${BATCH_ARGS[@]}"
 $PY scripts/device_check.py report "$WORK" "$OUT"
 status=$?
 rm -rf "$WORK"

@@ -17,6 +17,35 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored" || true; }
+# Interop tests: the vLLM project's speculators, pinned, in its own venv (it pins transformers <= 5.19). Its declared
+# torchvision and torchaudio resolve to CUDA builds that break the transformers import beside a CPU torch, and it
+# imports neither: it goes in without dependencies, then every requirement it declares but those two. Built in the
+# background while the main venv installs (each pip keeps one core busy); waited for at the end.
+SPECULATORS=0.9.0
+build_speculators() {
+  rm -rf .venv-speculators
+  "$PYTHON" -m venv .venv-speculators
+  spip() { .venv-speculators/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v \
+    "is ignored\|requires torchaudio\|requires torchvision\|dependency resolver\|dependency conflicts" || true; }
+  spip install torch==2.13.0
+  spip install --no-deps "speculators==$SPECULATORS"
+  .venv-speculators/bin/python -c "
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+for line in requires('speculators'):
+    req = Requirement(line)
+    if req.marker is None and req.name not in ('torchvision', 'torchaudio'):
+        print(req)" > .venv-speculators/requirements.txt
+  spip install -r .venv-speculators/requirements.txt
+  .venv-speculators/bin/python -c "import speculators.models.eagle3, transformers, torch" \
+    && touch ".venv-speculators/.built-$SPECULATORS"
+}
+SPECULATORS_JOB=
+if [ ! -f ".venv-speculators/.built-$SPECULATORS" ]; then
+  echo "setup: building .venv-speculators (speculators $SPECULATORS, for the interop tests; ~1-2 min)" >&2
+  build_speculators &
+  SPECULATORS_JOB=$!
+fi
 # torch first, pinned: it resolves to the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 pip install torch==2.13.0
 pip install -e ".[train,bench,dev]"
@@ -42,3 +71,7 @@ fi
 .venv/bin/python -c "from tokenmaxx.training.ds_setup import prebuild_shm_comm; prebuild_shm_comm()"
 .venv/bin/python -c "import tokenmaxx.heads, tokenmaxx.inference, tokenmaxx.training, torch; \
 assert torch.__version__.startswith('2.13.0'), torch.__version__"
+if [ -n "$SPECULATORS_JOB" ]; then
+  wait "$SPECULATORS_JOB" || true  # (its marker file says whether it finished)
+  [ -f ".venv-speculators/.built-$SPECULATORS" ] || { echo "error: building .venv-speculators failed" >&2; exit 1; }
+fi

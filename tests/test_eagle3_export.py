@@ -21,6 +21,7 @@ from tiny_tokenizer import tiny_tokenizer
 from tokenmaxx.heads import DynamicTreeConfig, Eagle3Heads, export_eagle3, load_backbone, load_eagle3
 from tokenmaxx.heads.io.eagle3_export import ExportError
 from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.heads.io.speculators_export import SPECULATORS_VERSION, export_speculators
 from tokenmaxx.scripts import export_heads
 
 # vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at this commit (>= v0.16 development, 2026):
@@ -139,8 +140,41 @@ def test_the_config_has_what_the_engines_read(tmp_path):
                                 "head_dim", "hidden_act", "rms_norm_eps")} == \
         {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 8, "hidden_act": "silu", "rms_norm_eps": model.config.rms_norm_eps}
-    # default layers (2, L//2, L-3): no aux-layer keys, so vLLM's and SGLang's defaults apply and agree
-    assert "eagle_aux_hidden_state_layer_ids" not in cfg and "eagle_config" not in cfg and "target_hidden_size" not in cfg
+    # even the default layers (2, L//2, L-3) are written, in both conventions: no loader has to guess them
+    layers = list(heads.feature_layers)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == layers == [2, 4, 5]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert cfg["target_hidden_size"] == 32 and cfg["dtype"] == cfg["torch_dtype"] == "float32"
+
+
+def test_every_field_a_loader_reads_survives_a_transformers_5_read(tmp_path):
+    """The export's config read back as the engines read it under transformers 5 (``AutoConfig``), and as the raw
+    JSON that older loaders and transformers 4 keep as attributes: each field named with the loader that reads it."""
+    from transformers import AutoConfig
+
+    model, heads, out = _export(tmp_path)
+    raw = json.loads((out / "config.json").read_text())
+    loaded = AutoConfig.from_pretrained(out)
+    theta = model.config.rope_parameters["rope_theta"]
+    read = {  # loader: field -> (value as read, expected)
+        "vLLM llama_eagle3: draft_vocab_size": (loaded.draft_vocab_size, 67),
+        "vLLM llama_eagle3: target_hidden_size": (loaded.target_hidden_size, 32),
+        "vLLM llama_eagle3: eagle_aux_hidden_state_layer_ids": (loaded.eagle_aux_hidden_state_layer_ids, [2, 4, 5]),
+        "vLLM llama_eagle3: norm_before_residual": (loaded.norm_before_residual, False),
+        "vLLM (transformers 5): rope_parameters.rope_theta": (loaded.rope_parameters["rope_theta"], theta),
+        "vLLM / transformers 5: dtype": (loaded.dtype, torch.float32),
+        "SGLang: eagle_config.eagle_aux_hidden_state_layer_ids": (
+            loaded.eagle_config["eagle_aux_hidden_state_layer_ids"], [1, 3, 4]),
+        "SGLang / transformers 4: rope_theta (top level)": (raw["rope_theta"], theta),
+        "SGLang / transformers 4: torch_dtype": (raw["torch_dtype"], "float32"),
+        "both: tie_word_embeddings": (loaded.tie_word_embeddings, False),
+        "both: vocab_size": (loaded.vocab_size, 96),
+    }
+    wrong = {field: got for field, (got, want) in read.items() if got != want}
+    assert not wrong, wrong
+    # what the export cannot fix: transformers 5 keeps theta only in rope_parameters, so a loader that reads
+    # getattr(config, "rope_theta", 10000) (SGLang's Llama code) falls back there; the README says so
+    assert getattr(loaded, "rope_theta", "absent") == "absent"
 
 
 def test_other_feature_layers_are_written_in_both_engines_conventions(tmp_path):
@@ -236,8 +270,20 @@ def test_the_export_command(tmp_path, capsys):
     assert printed[3].startswith(f"serve with SGLang: python -m sglang.launch_server --model-path {path} "
                                  "--speculative-algorithm EAGLE3 --speculative-draft-model-path "
                                  f"{tmp_path / 'out'} --speculative-num-steps 2 --speculative-eagle-topk ")
+    assert printed[4].startswith(f"convert for speculators: speculators convert {tmp_path / 'out'} --algorithm eagle3 "
+                                 f"--verifier {path} --algorithm-kwargs "
+                                 "'{\"eagle_aux_hidden_state_layer_ids\": [2, 4, 5], \"norm_before_residual\": false}'")
     state, cfg = _read(tmp_path / "out")
     assert cfg["torch_dtype"] == "bfloat16" and state["fc.weight"].dtype == torch.bfloat16
+    argv = ["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "spec"), "--format", "speculators"]
+    assert export_heads.main(argv + ["--verifier", "org/backbone"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    printed = printed[next(i for i, line in enumerate(printed) if line.startswith("wrote")):]
+    assert printed[1:] == ["verifier named in it: org/backbone", f"serve with vLLM: vllm serve {tmp_path / 'spec'}",
+                           f"load with speculators: SpeculatorModel.from_pretrained('{tmp_path / 'spec'}')"]
+    assert _read(tmp_path / "spec")[1]["speculators_config"]["verifier"]["name_or_path"] == "org/backbone"
+    with pytest.raises(ValueError, match="--verifier names the backbone inside a --format speculators export"):
+        export_heads.main(["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "o3"), "--verifier", "x"])
     with pytest.raises(ValueError, match="unknown --format 'gguf'"):
         export_heads.main(["--heads", str(tmp_path / "heads"), "--output_dir", str(tmp_path / "o2"),
                            "--format", "gguf"])
@@ -265,3 +311,30 @@ def test_a_large_vocabulary_without_a_draft_vocabulary_gets_one_note_with_the_si
     heads.save_pretrained(tmp_path / "small")
     assert export_heads.main(["--heads", str(tmp_path / "small"), "--output_dir", str(tmp_path / "o2")]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("vocab", [range(3, 70), None], ids=["draft_vocab", "full_vocab"])
+def test_the_speculators_export_has_the_layout_speculators_and_vllm_read(tmp_path, vocab):
+    """What ``speculators`` (Eagle3SpeculatorConfig, Eagle3DraftModel) and vLLM's speculators adapter read; run
+    against speculators itself in tests/test_interop.py."""
+    model, heads, _ = _export(tmp_path, vocab=vocab)
+    state, cfg = _read(export_speculators(heads, model, tmp_path / "spec", verifier="org/backbone"))
+    assert "model_type" not in cfg  # vLLM recognises the layout by its absence and speculators_config
+    assert (cfg["speculators_model_type"], cfg["speculators_version"]) == ("eagle3", SPECULATORS_VERSION)
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
+                                         "accept_tolerance": 0.0}]
+    assert spec["verifier"] == {"name_or_path": "org/backbone", "architectures": ["LlamaForCausalLM"]}
+    layer = cfg["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"], layer["head_dim"]) == \
+        ("llama", 1, 96, 8)
+    assert layer["rope_parameters"]["rope_theta"] == layer["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and cfg["norm_before_residual"] is False
+    assert (cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (67 if vocab else 96, 32)
+    layers = {k.removeprefix("layers.0.") for k in state if k.startswith("layers.0.")}
+    assert layers == {k.removeprefix("midlayer.") for k in heads.state_dict() if k.startswith("midlayer.")}
+    assert not any(k.startswith("midlayer.") for k in state)
+    assert torch.equal(state["embed_tokens.weight"], model.get_input_embeddings().weight.to(torch.bfloat16))
+    assert ("t2d" in state) == (vocab is not None)  # no draft vocabulary: nothing to map
+    assert state["lm_head.weight"].shape == (67 if vocab else 96, 32) and state["d2t"].dtype == torch.int64

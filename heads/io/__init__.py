@@ -7,6 +7,7 @@ hub             ``load_heads`` (a folder or a Hub repo id), ``push_heads`` (one 
 card            the Hub model card (rendered offline from ``model_cards/heads_card.md.jinja``)
 pretrained      the heads shipped in ``heads/pretrained/`` (``default_heads_path``, ``resolve_heads``)
 eagle3_export   EAGLE-3 checkpoints for vLLM / SGLang (``export_eagle3``, ``load_eagle3``)
+speculators_export  the same heads in the vLLM project's speculators layout (``export_speculators``)
 
 The model code (``heads.modeling`` and the head kinds) imports nothing from here.
 """
@@ -14,11 +15,13 @@ The model code (``heads.modeling`` and the head kinds) imports nothing from here
 from .backbones import BACKBONES, CACHE_ENV, DEFAULT_BACKBONE, DEVICE_HELP, DTYPES, BackboneSpec, cache_dir, \
     import_gguf, load_backbone, register_backbone, resolve_backbone, resolve_device, resolve_dtype
 from .eagle3_export import ExportError, export_eagle3, load_eagle3
+from .speculators_export import export_speculators
 from .hub import HubAuthError, HubUnreachableError, download_heads, load_heads, push_heads
 from .loading import load_folder
 from .pretrained import default_heads_path, resolve_heads, shipped_heads
 
 __all__ = ["BACKBONES", "CACHE_ENV", "DEFAULT_BACKBONE", "DEVICE_HELP", "DTYPES", "BackboneSpec", "cache_dir",
-           "import_gguf", "load_backbone", "register_backbone", "resolve_backbone", "resolve_device", "resolve_dtype",
-           "ExportError", "export_eagle3", "load_eagle3", "HubAuthError", "HubUnreachableError", "download_heads",
-           "load_heads", "push_heads", "load_folder", "default_heads_path", "resolve_heads", "shipped_heads"]
+           "import_gguf", "load_backbone", "register_backbone", "resolve_backbone", "resolve_device",
+           "resolve_dtype", "ExportError", "export_eagle3", "load_eagle3", "export_speculators", "HubAuthError",
+           "HubUnreachableError", "download_heads", "load_heads", "push_heads", "load_folder", "default_heads_path",
+           "resolve_heads", "shipped_heads"]

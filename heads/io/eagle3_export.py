@@ -6,9 +6,11 @@ The layout is the one vLLM (``vllm/model_executor/models/llama_eagle3.py``, ``--
 config keys of vLLM's loader at a pinned commit. Files::
 
     config.json         a one-layer Llama config: architectures ["LlamaForCausalLMEagle3"], the draft's sizes,
-                        vocab_size (the backbone's V), draft_vocab_size (Vd), tie_word_embeddings false, the rope
-                        settings the draft was trained with; the aux-layer ids only when they differ from the engines'
-                        default (2, L//2, L-3), in both engines' conventions; "tokenmaxx": what a round trip needs
+                        vocab_size (the backbone's V), draft_vocab_size (Vd), target_hidden_size,
+                        tie_word_embeddings false, norm_before_residual false, the rope settings the draft was trained
+                        with (rope_theta and rope_parameters), dtype and torch_dtype, the aux-layer ids in both
+                        engines' conventions (always: a loader's default is right only for the default layers);
+                        "tokenmaxx": what a round trip needs
     model.safetensors   fc.weight [H, 3H], midlayer.* (q/k/v read 2H), norm.weight, lm_head.weight [Vd, H] (the
                         backbone's lm_head rows at the draft vocabulary: the heads predict through it), d2t [Vd] int64
                         (target id = draft id + d2t[draft id]), t2d [V] bool. No embed_tokens: the engines share the
@@ -56,24 +58,25 @@ def _rope(layer_config) -> dict:
             "rope_parameters": {**params, "rope_theta": float(theta)} if params else None}
 
 
-def eagle3_config(heads: Eagle3Heads, backbone_layers: int, dtype: str) -> dict:
-    """config.json of the export (``backbone_layers``: the backbone's number of decoder layers)."""
+def eagle3_config(heads: Eagle3Heads, dtype: str) -> dict:
+    """config.json of the export: the draft layer's Llama config, the vocabularies, the fused layers in every engine's
+    convention, ``dtype`` in both spellings (``torch_dtype`` is what transformers 4 and older loaders read), the rope
+    settings in both spellings, and what a round trip to tokenmaxx needs."""
     cfg, hc = heads.layer_config, heads.config
     vocab = heads.draft_vocab
     out = {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
            **{k: getattr(cfg, k) for k in LAYER_KEYS},
            "vocab_size": hc.vocab_size, "draft_vocab_size": hc.vocab_size if vocab is None else int(vocab.numel()),
+           "target_hidden_size": cfg.hidden_size,  # the backbone's (the draft layer's is the same size)
            "tie_word_embeddings": False, "norm_before_residual": False, "attention_bias": False, "mlp_bias": False,
-           "torch_dtype": dtype, **{k: v for k, v in _rope(cfg).items() if v is not None or k == "rope_scaling"}}
+           "dtype": dtype, "torch_dtype": dtype,
+           **{k: v for k, v in _rope(cfg).items() if v is not None or k == "rope_scaling"}}
     layers = list(heads.feature_layers)
-    try:
-        default = default_feature_layers(backbone_layers)
-    except ValueError:
-        default = None
-    if layers != default:  # the engines disagree on how to read explicit ids: write both conventions
-        out["eagle_aux_hidden_state_layer_ids"] = layers  # vLLM: the input of layer i
-        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],  # SGLang: output of i
-                               "use_aux_hidden_state": True}
+    # the fused layers in each engine's convention, always (a loader that falls back to its own default when they are
+    # absent would be right only for the default layers): vLLM and speculators, the input of layer i (HF
+    # hidden_states[i]); SGLang, the output of layer i (it adds one)
+    out["eagle_aux_hidden_state_layer_ids"] = layers
+    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers], "use_aux_hidden_state": True}
     out["tokenmaxx"] = {"num_heads": hc.num_heads, "feature_layers": layers, "backbone": hc.backbone,
                         "backbone_revision": hc.backbone_revision,
                         "dynamic_tree": None if hc.dynamic_tree is None else dataclasses.asdict(hc.dynamic_tree)}
@@ -93,9 +96,19 @@ def export_eagle3(heads: Eagle3Heads, model, output_dir: str | os.PathLike, dtyp
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ExportError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
     heads.check_backbone(model)
-    out = Path(output_dir)
+    _check_output(Path(output_dir), overwrite)
+    return write_checkpoint(output_dir, draft_tensors(heads, model, dtype), eagle3_config(heads, dtype))
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ExportError(f"{out} exists and is not an empty folder; pass overwrite=True (--overwrite) to replace it")
+
+
+def draft_tensors(heads: Eagle3Heads, model, dtype: str) -> dict[str, torch.Tensor]:
+    """The draft's tensors in the engines' names, on the CPU in ``dtype``: the heads' own (``fc``, ``midlayer.*``,
+    ``norm``), ``lm_head.weight`` [Vd, H] (the backbone's rows at the draft vocabulary, sorted by id), ``d2t`` [Vd]
+    int64 (target id = draft id + d2t[draft id]) and ``t2d`` [V] bool."""
     torch_dtype = getattr(torch, dtype)
     weight = model.get_output_embeddings().weight
     ids = heads.draft_vocab if heads.draft_vocab is not None else torch.arange(heads.config.vocab_size)
@@ -108,12 +121,22 @@ def export_eagle3(heads: Eagle3Heads, model, output_dir: str | os.PathLike, dtyp
     t2d = torch.zeros(heads.config.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     state["t2d"] = t2d  # [V]
-    config = eagle3_config(heads, model.config.num_hidden_layers, dtype)
+    return state
+
+
+def write_checkpoint(output_dir: str | os.PathLike, state: dict[str, torch.Tensor], config: dict,
+                     extra_files: dict[str, str] | None = None) -> Path:
+    """``config.json`` and ``model.safetensors`` (and ``extra_files``: name -> text) written under a temp name, then
+    renamed into ``output_dir`` (replacing it): a failed export leaves nothing half-written. Readable by other users
+    as the umask allows (an engine may run as another user)."""
+    out = Path(output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         mask = _umask()  # mkdtemp makes a 0700 folder: an engine running as another user could not read the export
         for path in tmp.iterdir():
             os.chmod(path, 0o666 & ~mask)
