@@ -25,6 +25,8 @@ COMMANDS = {
     "push": ("push_to_hub", "push trained heads (and their model card) to the Hugging Face Hub"),
     "export": ("export_heads", "export heads for a serving engine (an EAGLE-3 checkpoint for vLLM / SGLang)"),
     "eval": ("eval_heads", "held-out accuracy of trained heads on a self-distilled dataset, per depth and category"),
+    "acceptance": ("acceptance", "where the heads' acceptance is lost: tau per category, depth and tree size, and the "
+                                 "tokens their draft vocabulary cannot guess"),
 }
 PROG = "tokenmaxx"
 
