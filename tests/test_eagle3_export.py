@@ -338,3 +338,8 @@ def test_the_speculators_export_has_the_layout_speculators_and_vllm_read(tmp_pat
     assert torch.equal(state["embed_tokens.weight"], model.get_input_embeddings().weight.to(torch.bfloat16))
     assert ("t2d" in state) == (vocab is not None)  # no draft vocabulary: nothing to map
     assert state["lm_head.weight"].shape == (67 if vocab else 96, 32) and state["d2t"].dtype == torch.int64
+    with pytest.raises(ExportError, match="exists and is not an empty folder"):  # refused before anything is written
+        export_speculators(heads, model, tmp_path / "spec", verifier="org/backbone")
+    with pytest.raises(ExportError, match="only eagle3 heads export to the speculators format; these are 'mtp'"):
+        export_speculators(random_mtp(model), model, tmp_path / "mtp", verifier="org/backbone")
+    assert not (tmp_path / "mtp").exists()

@@ -90,17 +90,20 @@ def export_eagle3(heads: Eagle3Heads, model, output_dir: str | os.PathLike, dtyp
     The folder is written under a temp name and renamed, so a failed export leaves nothing half-written. An existing
     non-empty ``output_dir`` is refused unless ``overwrite``.
     """
-    if not isinstance(heads, Eagle3Heads):
-        raise ExportError(f"only eagle3 heads export to the eagle3 format; these are {heads.config.kind!r} heads "
-                          "(train --kind eagle3)")
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise ExportError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
-    heads.check_backbone(model)
-    _check_output(Path(output_dir), overwrite)
+    check_export(heads, model, output_dir, dtype, overwrite, "eagle3")
     return write_checkpoint(output_dir, draft_tensors(heads, model, dtype), eagle3_config(heads, dtype))
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
+def check_export(heads, model, output_dir: str | os.PathLike, dtype: str, overwrite: bool, format_name: str) -> None:
+    """ExportError, before anything is written, for heads that are not EAGLE-3 heads of ``model``, a dtype no engine
+    loads, or an existing non-empty ``output_dir`` without ``overwrite``."""
+    if not isinstance(heads, Eagle3Heads):
+        raise ExportError(f"only eagle3 heads export to the {format_name} format; these are {heads.config.kind!r} "
+                          "heads (train --kind eagle3)")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ExportError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    heads.check_backbone(model)
+    out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ExportError(f"{out} exists and is not an empty folder; pass overwrite=True (--overwrite) to replace it")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..eagle3 import Eagle3Heads
-from .eagle3_export import ExportError, _check_output, _rope, draft_tensors, write_checkpoint
+from .eagle3_export import _rope, check_export, draft_tensors, write_checkpoint
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout this writes (tests/test_interop.py checks it)
 ARCHITECTURE = "Eagle3DraftModel"  # speculators' model class for the layout
@@ -77,13 +77,7 @@ def export_speculators(heads: Eagle3Heads, model, output_dir: str | os.PathLike,
     """Write ``heads`` (attached to backbone ``model``) as a speculators checkpoint into ``output_dir``; returns it.
     ``verifier``: the backbone as the serving machine names it (a folder or Hub id; it goes into the config). Written
     under a temp name and renamed; an existing non-empty ``output_dir`` is refused unless ``overwrite``."""
-    if not isinstance(heads, Eagle3Heads):
-        raise ExportError(f"only eagle3 heads export to the speculators format; these are {heads.config.kind!r} "
-                          "heads (train --kind eagle3)")
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise ExportError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
-    heads.check_backbone(model)
-    _check_output(Path(output_dir), overwrite)
+    check_export(heads, model, output_dir, dtype, overwrite, "speculators")
     state = {(SPECULATORS_LAYER + k.removeprefix(DRAFT_LAYER) if k.startswith(DRAFT_LAYER) else k): v
              for k, v in draft_tensors(heads, model, dtype).items()}
     if bool(state["t2d"].all()):  # no draft vocabulary: speculators maps nothing
