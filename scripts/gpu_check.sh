@@ -233,7 +233,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 
 if [ $DRY = 1 ]; then
-    DEV=cpu THREADS=2 DTYPE=auto DEADLINE=${GPU_CHECK_DEADLINE:-0}
+    # one dtype for every step, the identity step's: the costs and trees the bench measures serve it too (on a CPU
+    # with native bf16, "auto" would measure them all again for a second dtype: minutes)
+    DEV=cpu THREADS=2 DTYPE=float32 DEADLINE=${GPU_CHECK_DEADLINE:-0}
     PROMPTS=${GPU_CHECK_PROMPTS:-../shared/bench/spec_bench_dev.jsonl}
     FAST=(tests/test_decoding.py tests/test_loop.py -x)
     ID_ARGS=(--limit 1 --max_new_tokens 12 --warmup 1) SIZES=1,2,4,8 REPEATS=2
