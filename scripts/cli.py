@@ -23,7 +23,7 @@ COMMANDS = {
     "train": ("train_heads", "train draft heads on a frozen backbone (DeepSpeed) and export them"),
     "make-data": ("make_data", "self-distilled training data: the backbone answers chat prompts"),
     "push": ("push_to_hub", "push trained heads (and their model card) to the Hugging Face Hub"),
-    "export": ("export_heads", "export heads for a serving engine (an EAGLE-3 checkpoint for vLLM / SGLang)"),
+    "export": ("export_heads", "export heads for a serving engine (EAGLE-3 for vLLM / SGLang, or speculators' layout)"),
     "eval": ("eval_heads", "held-out accuracy of trained heads on a self-distilled dataset, per depth and category"),
     "acceptance": ("acceptance", "where the heads' acceptance is lost: tau per category, depth and tree size, and the "
                                  "tokens their draft vocabulary cannot guess"),
