@@ -53,17 +53,6 @@ def cpu_info() -> dict[str, str]:
     return {"cpu": cpu_name(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa()}
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
-    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one. A cap on
-oneDNN's instruction set (``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16) makes it emulated too."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    try:
-        return any(check() for check in checks if check is not None) and onednn_allows("AVX512_CORE_BF16")
-    except RuntimeError:
-        return False
-
-
 # oneDNN's instruction sets, lowest first: ONEDNN_MAX_CPU_ISA caps the one its products (PyTorch's bf16 / fp16
 # matmuls on a CPU) use, so a cap below a dtype's native set makes that dtype emulated whatever the CPU has
 ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
@@ -77,6 +66,17 @@ def onednn_allows(isa: str) -> bool:
     if cap not in ONEDNN_ISAS:
         return True
     return ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX). Without it PyTorch converts every bf16 matmul
+    through fp32, and a verify forward of several tokens costs nearly as much as decoding them one by one. A cap on
+    oneDNN's instruction set (``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16) makes it emulated too."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    try:
+        return any(check() for check in checks if check is not None) and onednn_allows("AVX512_CORE_BF16")
+    except RuntimeError:
+        return False
 
 
 def cpu_has_native_fp16() -> bool:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP
@@ -137,8 +138,6 @@ def measure(args: AcceptanceArgs) -> dict:
     gens = {n: SpeculativeGenerator(model, heads, tokenizer=tokenizer, draft="heads",
                                     tree=f"dynamic:nodes={n},min_mass=0", costs=None) for n in sizes}
     cats: dict[str, dict] = {}
-    from tqdm.auto import tqdm
-
     for category, ids in tqdm(prompts, desc="acceptance", unit="prompt", file=sys.stderr):
         entry = cats.setdefault(category, {"prompts": 0, "hist": {n: {} for n in sizes}, "outside": [0, 0],
                                            "outside_prompt": [0, 0], "by_size": {v: [0, 0] for v in vocabularies}})

@@ -114,19 +114,23 @@ def main(argv=None) -> int:
     if args.format == "speculators":
         out = export_speculators(heads, model, args.output_dir, verifier=args.verifier or served, dtype=dtype,
                                  overwrite=args.overwrite).resolve()
-    else:
-        out = export_eagle3(heads, model, args.output_dir, dtype=dtype, overwrite=args.overwrite).resolve()
-    print(f"wrote {args.format} checkpoint {out} ({dtype}): " + ", ".join(sorted(p.name for p in out.iterdir())))
-    if args.format == "speculators":
+        print(written(args.format, out, dtype))
         print(f"verifier named in it: {args.verifier or served}")
         print(f"serve with vLLM: vllm serve {shlex.quote(str(out))}")
         print(f"load with speculators: SpeculatorModel.from_pretrained({str(out)!r})")
         return 0
+    out = export_eagle3(heads, model, args.output_dir, dtype=dtype, overwrite=args.overwrite).resolve()
+    print(written(args.format, out, dtype))
     print(f"backbone to serve (the weights the heads were trained on): {served}")
     for engine, command in serve_commands(heads, served, out).items():
         print(f"serve with {engine}: {command}")
     print(f"convert for speculators: {convert_command(heads, served, out)} (or export --format speculators)")
     return 0
+
+
+def written(fmt: str, out: Path, dtype: str) -> str:
+    """The line that says what an export wrote."""
+    return f"wrote {fmt} checkpoint {out} ({dtype}): " + ", ".join(sorted(p.name for p in out.iterdir()))
 
 
 def convert_command(heads, backbone: str, out: Path) -> str:

@@ -30,9 +30,10 @@ DEVICE_HELP = "where the backbone runs: auto (the first CUDA GPU when there is o
 
 
 class EmulatedDtypeWarning(UserWarning):
-    """The backbone runs on a CPU in a half-precision dtype that CPU does not compute natively (bf16 without AVX-512
-    BF16 / AMX, fp16 without AVX-512 FP16 / AMX FP16): every product is converted through fp32, so it is slower than
-    float32, and a tree verify of several tokens costs nearly as much as decoding them one by one."""
+    """The backbone runs on a CPU in a half-precision dtype that CPU does not compute natively
+    (``machine.cpu_dtype_is_emulated``: bf16 without AVX-512 BF16 / AMX, fp16 without AMX FP16): every product is
+    converted through fp32, so it is slower than float32, and a tree verify of several tokens costs nearly as much as
+    decoding them one by one."""
 
 
 def warn_if_dtype_is_emulated(model) -> None:

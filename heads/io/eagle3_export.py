@@ -47,7 +47,7 @@ class ExportError(ValueError):
     """The heads cannot be written in the asked format, or a folder is not a checkpoint of it."""
 
 
-def _rope(layer_config) -> dict:
+def rope_fields(layer_config) -> dict:
     """Rope keys in both spellings: ``rope_theta`` / ``rope_scaling`` (what vLLM and SGLang read) and transformers 5's
     ``rope_parameters``."""
     params = dict(getattr(layer_config, "rope_parameters", None) or {})
@@ -70,7 +70,7 @@ def eagle3_config(heads: Eagle3Heads, dtype: str) -> dict:
            "target_hidden_size": cfg.hidden_size,  # the backbone's (the draft layer's is the same size)
            "tie_word_embeddings": False, "norm_before_residual": False, "attention_bias": False, "mlp_bias": False,
            "dtype": dtype, "torch_dtype": dtype,
-           **{k: v for k, v in _rope(cfg).items() if v is not None or k == "rope_scaling"}}
+           **{k: v for k, v in rope_fields(cfg).items() if v is not None or k == "rope_scaling"}}
     layers = list(heads.feature_layers)
     # the fused layers in each engine's convention, always (a loader that falls back to its own default when they are
     # absent would be right only for the default layers): vLLM and speculators, the input of layer i (HF
@@ -127,10 +127,9 @@ def draft_tensors(heads: Eagle3Heads, model, dtype: str) -> dict[str, torch.Tens
     return state
 
 
-def write_checkpoint(output_dir: str | os.PathLike, state: dict[str, torch.Tensor], config: dict,
-                     extra_files: dict[str, str] | None = None) -> Path:
-    """``config.json`` and ``model.safetensors`` (and ``extra_files``: name -> text) written under a temp name, then
-    renamed into ``output_dir`` (replacing it): a failed export leaves nothing half-written. Readable by other users
+def write_checkpoint(output_dir: str | os.PathLike, state: dict[str, torch.Tensor], config: dict) -> Path:
+    """``config.json`` and ``model.safetensors`` written under a temp name, then renamed into ``output_dir``
+    (replacing it): a failed export leaves nothing half-written. Readable by other users
     as the umask allows (an engine may run as another user)."""
     out = Path(output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -138,8 +137,6 @@ def write_checkpoint(output_dir: str | os.PathLike, state: dict[str, torch.Tenso
     try:
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
         mask = _umask()  # mkdtemp makes a 0700 folder: an engine running as another user could not read the export
         for path in tmp.iterdir():
             os.chmod(path, 0o666 & ~mask)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..eagle3 import Eagle3Heads
-from .eagle3_export import _rope, check_export, draft_tensors, write_checkpoint
+from .eagle3_export import check_export, draft_tensors, rope_fields, write_checkpoint
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout this writes (tests/test_interop.py checks it)
 ARCHITECTURE = "Eagle3DraftModel"  # speculators' model class for the layout
@@ -47,7 +47,7 @@ def speculators_config(heads: Eagle3Heads, model, verifier: str, dtype: str) -> 
                    "max_position_embeddings": layer.max_position_embeddings,
                    "initializer_range": layer.initializer_range, "attention_bias": False, "mlp_bias": False,
                    "tie_word_embeddings": False, "use_cache": True, "dtype": dtype,
-                   **{k: v for k, v in _rope(layer).items() if v is not None}}
+                   **{k: v for k, v in rope_fields(layer).items() if v is not None}}
     return {
         "architectures": [ARCHITECTURE],
         "speculators_model_type": "eagle3",
