@@ -22,6 +22,8 @@ COMMANDS = {
     "bench": ("bench", "benchmark against plain generate, prompt lookup and assisted generation"),
     "train": ("train_heads", "train draft heads on a frozen backbone (DeepSpeed) and export them"),
     "make-data": ("make_data", "self-distilled training data: the backbone answers chat prompts"),
+    "make-text-data": ("make_text_data", "training data from text the backbone did not write (ShareGPT's answers, "
+                                         "task-shaped text), labelled by it in training (--loss kl)"),
     "push": ("push_to_hub", "push trained heads (and their model card) to the Hugging Face Hub"),
     "export": ("export_heads", "export heads for a serving engine (EAGLE-3 for vLLM / SGLang, or speculators' layout)"),
     "eval": ("eval_heads", "held-out accuracy of trained heads on a self-distilled dataset, per depth and category"),

@@ -11,7 +11,8 @@ from tokenmaxx.heads import BackboneMismatchError, Eagle3Heads, HeadsConfig, loa
 from tokenmaxx.heads.eagle3 import default_feature_layers
 from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
-from tokenmaxx.training.losses import HeadsObjective
+from tokenmaxx.training.features import backbone_hidden
+from tokenmaxx.training.losses import HeadsObjective, shifted_targets, teacher_rows
 
 
 def test_the_weights_have_the_eagle3_names_and_shapes():
@@ -97,8 +98,33 @@ def test_default_feature_layers_and_bad_configs():
     deep = random_eagle3(model, feature_layers=(0, 1, 5))
     with pytest.raises(BackboneMismatchError, match=r"hidden states \[0, 1, 5\], but the backbone has 2 layers"):
         deep.check_backbone(model)
-    with pytest.raises(ValueError, match="train them with loss='ce'"):
-        HeadsObjective(heads, loss="kl")
+
+
+@pytest.mark.parametrize("loss", ["kl", "ce+kl"])
+def test_kl_reads_the_backbones_own_distribution_from_the_final_state_appended_to_the_features(loss):
+    """EAGLE-3 heads read earlier hidden states, so the KL teacher's final-normed state comes after them in the
+    features: the teacher is the backbone's own next-token distribution and the heads see exactly what they read."""
+    model = tiny_model("llama")
+    heads = random_eagle3(model)
+    final = model.config.num_hidden_layers
+    objective, plain = HeadsObjective(heads, loss=loss), HeadsObjective(heads, loss="ce")
+    assert objective.feature_layers(final) == [0, 1, 2, final] and plain.feature_layers(final) == [0, 1, 2]
+    ids = torch.randint(3, 96, (2, 10))
+    starts, lengths = torch.tensor([4, 6]), torch.tensor([10, 8])
+    features = torch.nn.utils.rnn.pad_sequence(backbone_hidden(model, list(ids), objective.feature_layers(final)),
+                                               batch_first=True)  # [B, T, 4H]
+    sel = objective.select(features, ids, starts, lengths, model.lm_head)
+    _, valid = shifted_targets(ids, starts, lengths, heads.config.num_heads)
+    need, _ = teacher_rows(valid)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(ids).logits[need].float(), dim=-1)
+    torch.testing.assert_close(sel.teacher, expected, rtol=1e-4, atol=1e-5)
+    size = heads.config.hidden_size
+    torch.testing.assert_close(objective.head_states(features, ids, sel.selected, model.get_input_embeddings()),
+                               plain.head_states(features[..., :-size], ids, sel.selected,
+                                                 model.get_input_embeddings()))
+    loss_value, stats = objective(features, ids, starts, lengths, model.lm_head, model.get_input_embeddings())
+    assert loss_value > 0 and (stats[1] > 0).all()  # a KL term on every depth
 
 
 def test_save_load_round_trip(tmp_path):

@@ -142,10 +142,22 @@ class HeadsObjective(nn.Module):
                 raise ValueError(f"the loss vocabulary must be distinct token ids, got {self.vocab.numel()} ids with "
                                  f"{distinct} distinct")
         self._tables_key = self._tables = None  # see ``vocab_tables``, and which lm_head weight they were made from
-        if loss != "ce" and heads.feature_layers is not None:
-            raise ValueError(f"loss={loss!r} needs the backbone's own next-token distributions, computed from its "
-                             f"final state, but {heads.config.kind!r} heads read hidden states "
-                             f"{list(heads.feature_layers)}; train them with loss='ce'")
+        # heads that read other hidden states than the final-normed one (EAGLE-3) get it appended for the KL teacher:
+        # their features are then [.., F + H], the last H columns the final state (``feature_layers`` says which)
+        self.teacher_appended = loss != "ce" and heads.feature_layers is not None
+
+    def feature_layers(self, final: int) -> list[int] | None:
+        """The backbone hidden states a batch's features hold (None: the final-normed state alone): the heads' own,
+        and for the KL teacher the final state ``final`` after them where the heads do not read it."""
+        layers = self.heads.feature_layers
+        return [*layers, final] if self.teacher_appended else (None if layers is None else list(layers))
+
+    def _split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the heads read, the final-normed state the teacher is computed from) of a batch's features."""
+        if not self.teacher_appended:
+            return hidden, hidden
+        size = self.heads.config.hidden_size
+        return hidden[..., :-size], hidden[..., -size:]
 
     def vocab_tables(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """For ``vocab``: the lm_head rows at it [Vd, H] and token id -> position in it (-1 outside) [V]; built once
@@ -212,7 +224,7 @@ class HeadsObjective(nn.Module):
         hidden [B, T, H]; input_ids [B, T]; selected [B, T] bool; embed: the backbone's input embedding.
         """
         dtype = next(self.heads.parameters()).dtype
-        return self.heads.training_states(hidden.to(dtype), input_ids, embed, selected)
+        return self.heads.training_states(self._split(hidden)[0].to(dtype), input_ids, embed, selected)
 
     def head_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor, selected: torch.Tensor, lm_head: nn.Module,
                     embed: nn.Module | None) -> torch.Tensor:
@@ -236,7 +248,8 @@ class HeadsObjective(nn.Module):
             dtype = next(self.heads.parameters()).dtype
             need, row = teacher_rows(valid)  # [B, T], [K, B, T]
             with torch.no_grad():
-                teacher = F.log_softmax(self._project(hidden[need].to(dtype), lm_head).float(), dim=-1)  # [m, V]
+                final = self._split(hidden)[1]
+                teacher = F.log_softmax(self._project(final[need].to(dtype), lm_head).float(), dim=-1)  # [m, V]
             row = row[:, selected]  # [K, n]
         targets = targets[:, selected]  # [K, n]
         in_vocab = None

@@ -45,7 +45,7 @@ from . import checkpoints
 from .batches import SelfDistilledData, collate, load_data, part_digests, step_micro_batches, trained_parts
 from .checkpoints import atomic_write_text
 from .ds_setup import build_engine, comm_device, init_distributed, resolve_ds_config, steps_per_epoch, training_device
-from .features import BackboneFeatures, FeatureCache
+from .features import BackboneFeatures, FeatureCache, final_state_index
 from .losses import STATS, HeadsObjective, shifted_targets
 from .metrics import MetricsLogger, evaluate, scoring_tree
 from .train_config import TrainConfig
@@ -298,6 +298,10 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
                     "on", cfg.init_heads)
     data = load_data(cfg.data, cfg.seq_len, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed,  # 2. data
                      seen_parts=seen)
+    if data.provenance.get("answers") == "text" and cfg.loss != "kl":
+        raise ValueError(f"--data {cfg.data} holds text the backbone did not write (make-text-data): its labels are "
+                         f"the backbone's own distribution, so train it with --loss kl, not --loss {cfg.loss} (which "
+                         "would teach the heads the text instead of the backbone)")
     cfg, ds = resolve_ds_config(cfg, world, len(data.train))  # 3. config
     if model is None:  # 4. backbone
         model = load_frozen_backbone(cfg, device)
@@ -323,12 +327,13 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     identity = checkpoints.run_identity(cfg, heads.config, data.fingerprint, world, seen)  # checked before any work
     resumed = checkpoints.prepare(cfg.checkpoint_dir, identity, cfg.resume, rank)
     _barrier()
+    read = objective.feature_layers(final_state_index(model))  # the heads' layers (+ the KL teacher's)
     if cfg.feature_cache:  # 6. features
         features = FeatureCache.build_or_open(cfg.feature_cache, model, data, cfg.seq_len, cfg.num_heads,
-                                              rank=rank, world=world, barrier=_barrier, layers=heads.feature_layers,
+                                              rank=rank, world=world, barrier=_barrier, layers=read,
                                               store_layers=cfg.feature_cache_layers)
     else:
-        features = BackboneFeatures(model, data, heads.feature_layers)
+        features = BackboneFeatures(model, data, read)
     out = Path(cfg.output_dir)
     if rank == 0:
         atomic_write_text(out / "run_config.json", _json({"resolved": cfg.to_dict(), "requested": requested}))
