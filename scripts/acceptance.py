@@ -52,6 +52,17 @@ class AcceptanceArgs:
     vocab_sizes: str = field(default="8192,16384,32768", metadata={
         "help": "with --data: draft vocabularies of these sizes (the most frequent tokens of its training rows, as "
                 "train --draft_vocab_size makes them) whose coverage of the emitted tokens is reported"})
+    vocab_tau: bool = field(default=False, metadata={
+        "help": "with --data, for heads that score through the backbone's lm_head (eagle3, mtp): also draft with each "
+                "--vocab_sizes vocabulary at the heads' own tree size, for tau per category and the seconds of one "
+                "proposal on this machine (the median of --propose_repeats interleaved measurements): the cost and "
+                "the gain of a larger vocabulary side by side"})
+    propose_repeats: int = field(default=3, metadata={"help": "with --vocab_tau: proposal timings per vocabulary"})
+    coverage_rows: int = field(default=64, metadata={
+        "help": "with --data: held-out rows per category whose every answer position the backbone reads (one forward "
+                "each), for the share of its own next tokens there that each --vocab_sizes vocabulary and the "
+                "prompt cannot guess: what the backbone emits on the data, over far more tokens than generation "
+                "gives; 0: skip"})
     max_new_tokens: int = field(default=128, metadata={"help": "new tokens per prompt"})
     dtype: str = field(default="float32", metadata={"help": "float32 (exact greedy), bfloat16 or auto"})
     device: str = field(default="cpu", metadata={"help": DEVICE_HELP})
@@ -73,7 +84,11 @@ class AcceptanceArgs:
             bad = True
         if bad:
             raise ValueError(f"--vocab_sizes {self.vocab_sizes!r}: expected positive integers such as 8192,16384")
-        for name in ("max_new_tokens", "threads", "data_rows"):
+        if self.vocab_tau and self.data is None:
+            raise ValueError("--vocab_tau drafts with vocabularies made from --data's training rows: give --data")
+        if self.coverage_rows < 0:
+            raise ValueError(f"--coverage_rows must be >= 0, got {self.coverage_rows}")
+        for name in ("max_new_tokens", "threads", "data_rows", "propose_repeats"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
 
@@ -122,14 +137,15 @@ def measure(args: AcceptanceArgs) -> dict:
     if args.prompts:
         prompts += [(p.category, p.input_ids) for p in load_prompts(args.prompts, tokenizer, limit=args.limit,
                                                                      group_mt_bench=args.group_mt_bench)]
-    vocabularies = {}  # size -> the data's most frequent tokens (what train --draft_vocab_size SIZE would make)
+    vocabularies, ranked, data = {}, [], None  # size -> the data's top tokens (train --draft_vocab_size SIZE's)
     if args.data:
         rows, data = held_out_prompts(args.data, heads, args.data_rows)
         prompts += rows
-        counts = Counter()
+        counts = torch.zeros(model.get_output_embeddings().weight.shape[0], dtype=torch.long)
         for r in data.train:
-            counts.update(data.examples[r].ids.tolist())
-        ranked = [tok for tok, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]  # as frequent_tokens
+            counts += torch.bincount(data.examples[r].ids.long(), minlength=counts.numel())
+        order = torch.argsort(-counts, stable=True)  # by count, ties by token id: as frequent_tokens
+        ranked = order[:int((counts > 0).sum())].tolist()
         vocabularies = {size: set(ranked[:size]) for size in args.vocabularies}
     vocab = set(heads.draft_vocab.tolist()) if heads.draft_vocab is not None else None
     own = heads.tree_settings(heads.config, None).nodes
@@ -156,6 +172,9 @@ def measure(args: AcceptanceArgs) -> dict:
                 miss, total = outside_share(out.new_tokens, allowed, extra)
                 into[0] += miss
                 into[1] += total
+    by_vocab, propose = vocab_tau(args, model, tokenizer, heads, prompts, ranked, own) if args.vocab_tau else ({}, {})
+    coverage = emitted_coverage(model, data, ranked, args.vocabularies, args.coverage_rows) \
+        if args.data and args.coverage_rows else {}
     table = {}
     for category, entry in cats.items():
         hist = entry["hist"]
@@ -168,11 +187,72 @@ def measure(args: AcceptanceArgs) -> dict:
             "outside_vocab_and_prompt": round(entry["outside_prompt"][0] / entry["outside_prompt"][1], 4)
             if entry["outside_prompt"][1] else None,
             "outside_data_vocab_and_prompt": {v: round(m / t, 4) if t else None for v, (m, t) in
-                                              entry["by_size"].items()}}
+                                              entry["by_size"].items()},
+            **({"tau_by_vocab": by_vocab[category]} if by_vocab else {})}
     return {"config": {**asdict(args), "own_nodes": own, "sizes": sizes, "draft_vocab": len(vocab) if vocab else None},
+            **({"propose_seconds_by_vocab": propose} if propose else {}),
+            **({"emitted_coverage": coverage} if coverage else {}),
             "machine": machine_info(args.threads, str(model.dtype).removeprefix("torch."),
                                     model.get_output_embeddings().weight.device),
             "categories": table}
+
+
+@torch.inference_mode()
+def emitted_coverage(model, data, ranked: list[int], sizes: list[int], rows: int) -> dict[str, dict]:
+    """Per category of the data's held-out rows (at most ``rows`` each): the backbone's own next token at every answer
+    position of the row's text (one forward), and the share of them outside each top-N vocabulary and the row's
+    prompt: {category: {"rows", "tokens", "outside_vocab_and_prompt": {N: share}}}."""
+    device = model.get_output_embeddings().weight.device
+    rank = torch.full((model.get_output_embeddings().weight.shape[0],), len(ranked), dtype=torch.long)
+    rank[torch.tensor(ranked, dtype=torch.long)] = torch.arange(len(ranked))  # token -> its place in the ranking
+    out = {}
+    groups = data.by_category(data.eval) or {"rows": list(data.eval)}
+    for category, members in tqdm(groups.items(), desc="coverage", unit="category", file=sys.stderr):
+        misses, total = Counter(), 0
+        for r in members[:rows]:
+            example = data.examples[r]
+            ids = example.ids.long()
+            logits = model(ids[None].to(device)).logits[0, example.prompt_len - 1:-1]  # [A, V]: each answer token
+            emitted = logits.argmax(-1).cpu()
+            unseen = ~torch.isin(emitted, ids[:example.prompt_len])
+            total += emitted.numel()
+            for size in sizes:
+                misses[size] += int((unseen & (rank[emitted] >= size)).sum())
+        out[DATA_PREFIX + category] = {"rows": min(rows, len(members)), "tokens": total,
+                                       "outside_vocab_and_prompt": {v: round(misses[v] / max(total, 1), 4)
+                                                                    for v in sizes}}
+    return out
+
+
+def vocab_tau(args: AcceptanceArgs, model, tokenizer, heads, prompts: list, ranked: list[int],
+              own: int) -> tuple[dict[str, dict[int, float]], dict[int, float]]:
+    """({category: {vocabulary size: tau}}, {vocabulary size: seconds of one proposal}) drafting with each of the
+    data's top-N vocabularies in turn (the heads' own is put back after)."""
+    from tokenmaxx.inference.measure.latency import measure_propose
+
+    if not heads.config.share_lm_head:
+        raise ValueError(f"--vocab_tau: {heads.config.kind!r} heads project with their own lm_head copies, so a draft "
+                         "vocabulary cannot be swapped after training")
+    saved = None if heads.draft_vocab is None else heads.draft_vocab.tolist()
+    tree = heads.tree_settings(heads.config, None)
+    hist, seconds = {}, {v: [] for v in args.vocabularies}
+    try:
+        for v in args.vocabularies:
+            heads.set_draft_vocab(ranked[:v])
+            gen = SpeculativeGenerator(model, heads, tokenizer=tokenizer, draft="heads",
+                                       tree=f"dynamic:nodes={own},min_mass=0", costs=None)
+            for category, ids in tqdm(prompts, desc=f"vocabulary {_size(v)}", unit="prompt", file=sys.stderr):
+                into = hist.setdefault(category, {}).setdefault(v, Counter())
+                into.update(gen.generate(ids, max_new_tokens=args.max_new_tokens).stats.accepted_hist)
+        for _ in range(args.propose_repeats):  # interleaved: a machine's drift falls on every size alike
+            for v in args.vocabularies:
+                heads.set_draft_vocab(ranked[:v])
+                seconds[v].append(measure_propose(model, heads.drafter(model, tree=tree, draft_vocab=True)))
+    finally:
+        heads.set_draft_vocab(saved)
+    taus = {c: {v: round(sum(t * n for t, n in h.items()) / max(sum(h.values()), 1), 3) for v, h in by.items()}
+            for c, by in hist.items()}
+    return taus, {v: round(sorted(s)[len(s) // 2], 6) for v, s in seconds.items()}
 
 
 def markdown(report: dict) -> str:
@@ -182,7 +262,8 @@ def markdown(report: dict) -> str:
     depth = max((len(r["depth_acceptance"]) for r in rows.values()), default=0)
     head = (["category", "prompts"] + [f"tau @{n}" for n in sizes] + [f"accept d{d} @{own}" for d in range(1, depth + 1)]
             + [f"outside draft vocab ({cfg['draft_vocab']})", "outside vocab + prompt"]
-            + [f"outside top {_size(int(v))} + prompt" for v in cfg["vocab_sizes"].split(",") if cfg["data"]])
+            + [f"outside top {_size(int(v))} + prompt" for v in cfg["vocab_sizes"].split(",") if cfg["data"]]
+            + [f"tau @{own}, top {_size(int(v))}" for v in cfg["vocab_sizes"].split(",") if cfg.get("vocab_tau")])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def cell(value, percent: bool = False) -> str:
@@ -193,7 +274,19 @@ def markdown(report: dict) -> str:
         cells += [cell(a, percent=True) for a in r["depth_acceptance"]]
         cells += [cell(r["outside_draft_vocab"], True), cell(r["outside_vocab_and_prompt"], True)]
         cells += [cell(share, True) for share in r["outside_data_vocab_and_prompt"].values()]
+        cells += [cell(tau) for tau in r.get("tau_by_vocab", {}).values()]
         lines.append("| " + " | ".join(cells) + " |")
+    if coverage := report.get("emitted_coverage"):
+        sizes_ = list(next(iter(coverage.values()))["outside_vocab_and_prompt"])
+        lines += ["", "The backbone's own next token at every answer position of held-out rows (teacher-forced), outside "
+                  "the data's top-N tokens and the row's prompt:", "",
+                  "| category | rows | tokens | " + " | ".join(f"outside top {_size(int(v))} + prompt" for v in sizes_)
+                  + " |", "|" + "---|" * (3 + len(sizes_))]
+        lines += [f"| {c} | {r['rows']} | {r['tokens']} | " + " | ".join(
+            cell(s, True) for s in r["outside_vocab_and_prompt"].values()) + " |" for c, r in coverage.items()]
+    if propose := report.get("propose_seconds_by_vocab"):
+        lines += ["", "One proposal at the heads' own tree size: " + ", ".join(
+            f"top {_size(int(v))} {1000 * s:.2f} ms" for v, s in propose.items()) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -52,3 +52,35 @@ def test_a_run_on_benchmark_prompts_and_held_out_rows_writes_one_table(tmp_path,
     assert f"accept d1 @{own}" in table and "outside draft vocab (70)" in table and "outside top 16 + prompt" in table
     with pytest.raises(ValueError, match="nothing to measure: give --prompts"):
         acceptance.main(["--out", str(out)])
+
+
+def test_vocab_tau_drafts_with_each_vocabulary_and_times_its_proposals(tmp_path, backbone_dir, data_dir):
+    from tokenmaxx.heads.draft_vocab import frequent_tokens
+
+    model, _ = load_backbone(str(backbone_dir))
+    heads = random_eagle3(model, seed=4)
+    _, data = acceptance.held_out_prompts(str(data_dir), heads, 1)
+    top32 = frequent_tokens((data.examples[r].ids.tolist() for r in data.train), 32)  # what training would make
+    heads.set_draft_vocab(top32.tolist())
+    heads.save_pretrained(tmp_path / "heads")
+    out = tmp_path / "acc"
+    assert acceptance.main(["--data", str(data_dir), "--data_rows", "3", "--backbone", str(backbone_dir), "--heads",
+                            str(tmp_path / "heads"), "--nodes", "4", "--vocab_sizes", "16,32", "--vocab_tau",
+                            "--propose_repeats", "1", "--max_new_tokens", "12", "--threads", "1", "--coverage_rows", "2",
+                            "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    [(category, coverage)] = report["emitted_coverage"].items()
+    answers = [data.examples[r].ids.numel() - data.examples[r].prompt_len for r in data.eval[:2]]
+    assert category == "data: rows" and coverage["rows"] == 2 and coverage["tokens"] == sum(answers)
+    shares = coverage["outside_vocab_and_prompt"]
+    assert 0.0 <= shares["32"] <= shares["16"] <= 1.0
+    own = report["config"]["own_nodes"]
+    for row in report["categories"].values():
+        assert row["tau_by_vocab"]["32"] == row["tau"][str(own)]  # the heads' own vocabulary: the same drafts
+        assert 1.0 <= row["tau_by_vocab"]["16"] <= 4.0
+    assert set(report["propose_seconds_by_vocab"]) == {"16", "32"}
+    assert all(s > 0 for s in report["propose_seconds_by_vocab"].values())
+    table = out.with_suffix(".md").read_text()
+    assert f"tau @{own}, top 16" in table and "One proposal at the heads' own tree size: top 16 " in table
+    with pytest.raises(ValueError, match="--vocab_tau drafts with vocabularies made from --data"):
+        acceptance.main(["--prompts", str(tmp_path / "p.jsonl"), "--vocab_tau", "--out", str(out)])
