@@ -252,9 +252,9 @@ def _tagged(data_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("loss_vocab", ["draft", "full"])
+@pytest.mark.parametrize("loss_vocab,loss", [("draft", "ce"), ("full", "ce"), ("draft", "kl")])
 def test_evaluating_exported_heads_reproduces_the_runs_held_out_metrics(tmp_path, backbone_dir, data_dir, capsys,
-                                                                        loss_vocab):
+                                                                        loss_vocab, loss):
     """evaluate_heads / scripts/eval_heads.py on a run's export and data, with the run's split flags: the same rows
     and the same figures as the trainer's final held-out record (overall and per category), both ranked over the
     draft vocabulary the heads draft over, whether the run's loss was over it or over every token (then both records
@@ -265,7 +265,7 @@ def test_evaluating_exported_heads_reproduces_the_runs_held_out_metrics(tmp_path
     tagged = _tagged(data_dir, tmp_path / "tagged")
     model, _ = load_backbone(str(backbone_dir))
     run = dict(kind="eagle3", feature_layers=[0, 1, 2], draft_vocab_size=40, loss_vocab=loss_vocab, eval_fraction=0.3,
-               max_steps=4, save_every=0)
+               max_steps=4, save_every=0, loss=loss)  # kl: the features carry the backbone's final state too
     result = train(make_cfg(tagged, tmp_path / "run", **run), model=model)
     heads = load_heads(result.export_dir)
     split = dict(seq_len=48, eval_fraction=0.3, eval_max_examples=256, seed=0)

@@ -17,7 +17,7 @@ from typing import Collection
 import torch
 
 from .batches import SelfDistilledData, load_data
-from .features import BackboneFeatures
+from .features import BackboneFeatures, final_state_index
 from .losses import HeadsObjective
 from .metrics import evaluate, scoring_tree
 
@@ -63,7 +63,7 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
     objective = HeadsObjective(heads, training.get("loss", "ce"), training.get("head_decay", 0.8),
                                vocab=draft if loss_over_draft else None)
     rank_vocab = draft if vocab == "draft" and not loss_over_draft else None
-    features = BackboneFeatures(model, data, heads.feature_layers)
+    features = BackboneFeatures(model, data, objective.feature_layers(final_state_index(model)))
     tree = scoring_tree(heads)
 
     def run(selected: list[int]) -> dict:
