@@ -39,7 +39,8 @@
 # MAX_EPOCHS (12), MIN_EPOCHS (0.5), PROBE (10 steps), LR (1e-3), WARMUP (100), DRAFT_VOCAB (8192), SEQ_LEN (768),
 # MICRO (32 sequences a step, in one micro-batch on a GPU), SAVE_EVERY (100), DYNAMIC_TREE (the exported serving tree,
 # default dynamic:nodes=8,topk=8,min_mass=0.5), PARTS (the committed parts to train on, default all of
-# distilled/smollm2-mix/part-*); GPU_TRAIN_SMOKE (the smoke data, default the carried $STAGE/in/smoke), GPU_TRAIN_WORK
+# distilled/smollm2-mix/part-*), DATA (a dataset folder to train on instead of the merged parts, e.g. make-text-data's),
+# LOSS (ce; kl for text the backbone did not write), INIT_HEADS (start from these heads); GPU_TRAIN_SMOKE (the smoke data, default the carried $STAGE/in/smoke), GPU_TRAIN_WORK
 # (the runs' folder, default $STAGE/train), GPU_TRAIN_PYTHON (the CPU runs' python: .venv/bin/python, else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -118,21 +119,28 @@ torch.__version__, '| transformers', transformers.__version__, '| deepspeed', de
 datasets.__version__, '| pyarrow', pyarrow.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))" 2>&1 | grep -v WARNING
 } || die "the environment is incomplete"
 
-# 2. merge
+# 2. merge (unless DATA names the dataset)
 phase merge
-$PY scripts/merge_data.py "${PARTS[@]}" --output_dir "$WORK/merged" --overwrite --token_dtype uint16 \
-    || die "merging ${PARTS[*]} failed"
+LOSS=${LOSS:-ce} INIT_HEADS=${INIT_HEADS:-}
+if [ -n "${DATA:-}" ]; then
+    [ -d "$DATA" ] || die "DATA=$DATA is no folder"
+else
+    DATA=$WORK/merged
+    $PY scripts/merge_data.py "${PARTS[@]}" --output_dir "$DATA" --overwrite --token_dtype uint16 \
+        || die "merging ${PARTS[*]} failed"
+fi
 
 # train_run KIND NAME STEPS_OR_EPOCHS...: one run in the background, its output in WORK/NAME.log
 train_run() {
     local kind=$1 name=$2; shift 2
     local layers=()
     [ "$kind" = eagle3 ] && layers=("${LAYERS[@]}")
-    timeout -k 10 "$((BUDGET - (SECONDS - START) - 15))" $PY scripts/train_heads.py --data "$WORK/merged" \
+    timeout -k 10 "$((BUDGET - (SECONDS - START) - 15))" $PY scripts/train_heads.py --data "$DATA" \
         --backbone "$BACKBONE" --device "$DEVICE" --dtype "$DTYPE" --kind "$kind" --num_heads 4 "${layers[@]}" \
-        --seq_len "$SEQ_LEN" --micro_batch_size "$MICRO" --grad_accum 1 --lr "$LR" --loss ce --head_decay 0.8 \
+        --seq_len "$SEQ_LEN" --micro_batch_size "$MICRO" --grad_accum 1 --lr "$LR" --loss "$LOSS" --head_decay 0.8 \
         --draft_vocab_size "$DRAFT_VOCAB" --loss_vocab draft --output_dir "$WORK/$name" --export_dir "$WORK/$name/heads" \
-        ${DYNAMIC_TREE:+--dynamic_tree "$DYNAMIC_TREE"} "$@" >"$WORK/$name.log" 2>&1
+        ${DYNAMIC_TREE:+--dynamic_tree "$DYNAMIC_TREE"} ${INIT_HEADS:+--init_heads "$INIT_HEADS"} "$@" \
+        >"$WORK/$name.log" 2>&1
 }
 
 # 3. probe: every kind at once, as the real runs will share the GPU

@@ -21,7 +21,8 @@ PIECE_LIMIT = 16 * 1024 * 1024  # a device call brings back at most 8 files of 1
 
 def test_the_dry_run_trains_every_kind_inside_its_budget_and_packs_them(tmp_path):
     env = {**os.environ, "GPU_TRAIN_PYTHON": sys.executable, "GPU_TRAIN_SMOKE": str(tmp_path / "smoke"),
-           "GPU_TRAIN_WORK": str(tmp_path / "work"), "GPU_TRAIN_SMOKE_BUDGET": "600"}
+           "GPU_TRAIN_WORK": str(tmp_path / "work"), "GPU_TRAIN_SMOKE_BUDGET": "600",
+           "LOSS": "kl"}  # KL to the backbone, as text data trains (eagle3 then reads the final state too)
     made = subprocess.run(["bash", "scripts/gpu_train.sh", "--make-smoke", str(tmp_path / "smoke")], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
