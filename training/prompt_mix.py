@@ -42,10 +42,14 @@ class MixConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        unknown = set(self.weights) - set(DEFAULT_WEIGHTS)
-        if unknown or not self.weights or any(w < 0 for w in self.weights.values()) or not sum(self.weights.values()):
-            raise ValueError(f"weights must be non-negative, not all zero, over {sorted(DEFAULT_WEIGHTS)}; "
-                             f"got {self.weights}")
+        check_weights(self.weights, sorted(DEFAULT_WEIGHTS))
+
+
+def check_weights(weights: dict[str, float], sources: list[str]) -> None:
+    """One error unless ``weights`` are non-negative, not all zero, over names in ``sources``."""
+    unknown = set(weights) - set(sources)
+    if unknown or not weights or any(w < 0 for w in weights.values()) or not sum(weights.values()):
+        raise ValueError(f"weights must be non-negative, not all zero, over {sources}; got {weights}")
 
 
 def _words(text: str) -> int:

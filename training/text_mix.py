@@ -38,7 +38,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .data_folder import TOKEN_DTYPES
-from .prompt_mix import NAMES, SUMMARY_ASKS, _prose, _words, conversations, interleave
+from .prompt_mix import MATH_ASKS, NAMES, SUMMARY_ASKS, _prose, _words, check_weights, conversations, interleave
 
 TEXT_SOURCES = ("chat", "rag", "summarize", "translate", "math")
 # chat is weighted by its size (it is most of the text); the task shapes come first in the order, so a sample (any
@@ -62,10 +62,7 @@ class TextMixConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        unknown = set(self.weights) - set(TEXT_SOURCES)
-        if unknown or not self.weights or any(w < 0 for w in self.weights.values()) or not sum(self.weights.values()):
-            raise ValueError(f"weights must be non-negative, not all zero, over {list(TEXT_SOURCES)}; got "
-                             f"{self.weights}")
+        check_weights(self.weights, list(TEXT_SOURCES))
 
 
 def _record(source: str, origin: str, user: str | list[dict], answer: str) -> dict:
@@ -212,10 +209,6 @@ def _problems(r: random.Random, n: str, m: str) -> list:
           f"The sale price is ${old * 5} - ${_num(old * 5 * now / 100)} = ${_num(old * 5 * (100 - now) / 100)}."],
          f"${_num(old * 5 * (100 - now) / 100)}"),
     ]
-
-
-MATH_ASKS = ("Solve it step by step.", "Show your reasoning step by step, then give the answer.",
-             "Think step by step.", "Explain each step of the calculation.")
 
 
 def math_records(cfg: TextMixConfig) -> list[dict]:
