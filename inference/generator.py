@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
@@ -31,6 +32,7 @@ from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mod
 from .forward import CACHES, ForwardContext
 from .lookup import LookupConfig
 from .loop import STATIC_MARGIN, GenerationStats, eos_ids, greedy_root, speculative_decode
+from .record import Recorder
 from .measure import Calibration, announce_measuring, cached_small_rows, measure_costs, resolve_auto
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
@@ -287,7 +289,7 @@ class SpeculativeGenerator:
         return rows
 
     def _generate_rows(self, rows: list[torch.Tensor], max_new: list[int], accept, config,
-                       sample_root) -> BatchOutput:
+                       sample_root, recorder: Recorder | None = None) -> BatchOutput:
         """``generate`` for a batch (``batch.batched_decode``): the rows left-padded, checked against the context
         and the free memory first."""
         device = self.model.get_output_embeddings().weight.device
@@ -311,6 +313,8 @@ class SpeculativeGenerator:
         # the rows' drafters uncaptured too: their module passes run together (``drafting.propose_rows``), at shapes
         # a captured pass would not have
         drafters = [self.make_drafter(capture=False) for _ in rows]
+        if recorder is not None:
+            drafters = [recorder.wrap(d) for d in drafters]
         tokens, stats = batched_decode(self.model, drafters, input_ids, mask, max_new, accept, choose_root,
                                        eos_ids(config), forward=forward, costs=self.costs)
         outputs = []
@@ -357,7 +361,7 @@ class SpeculativeGenerator:
                  top_p: float | None = None, min_p: float | None = None, seed: int | None = None,
                  generator: torch.Generator | None = None, generation_config: GenerationConfig | None = None,
                  typical: TypicalAcceptance | None = None, attention_mask: torch.Tensor | None = None,
-                 timed: bool | None = None) -> GenerationOutput | BatchOutput:
+                 timed: bool | None = None, record: str | Path | None = None) -> GenerationOutput | BatchOutput:
         """Speculative generation whose output is the backbone's own.
 
         ``prompt``: one text, chat (a list of messages) or token ids [T] / [1, T] -> a ``GenerationOutput``; or
@@ -370,6 +374,8 @@ class SpeculativeGenerator:
         it would be alone; ``max_new_tokens`` may then be a list (one per row). A streamer takes one prompt.
         ``timed``: time each round's phases (``stats.phase_seconds``), which on an accelerator waits for it four
         times a round; None: where that is free (a CPU).
+        ``record``: a folder to append this call's traffic to (every row: the backbone's states the heads read and
+        its tokens; ``heads.io.traffic``), which ``tokenmaxx adapt`` trains the heads on; the output is unchanged.
 
         Greedy (default, or ``do_sample=False``, or temperature 0): tokens equal ``model.generate(do_sample=False)``.
         Sampling (``do_sample=True`` with temperature / top_k / top_p / min_p, or a ``generation_config``): lossless
@@ -407,9 +413,15 @@ class SpeculativeGenerator:
             raise ValueError("typical acceptance is a sampling rule: pass do_sample=True with a temperature > 0")
         else:
             accept = accept_greedy
+        recorder = None
+        if record is not None:
+            recorder = Recorder(record, self.model, self.heads if self.draft in NEEDS_HEADS else None)
         if rows is not None:
             out = self._generate_rows(rows, per_row or [max_new_tokens] * len(rows), accept, config,
-                                      sampling and (lambda logits, row: sample(target_probs(logits, warpers), rng)))
+                                      sampling and (lambda logits, row: sample(target_probs(logits, warpers), rng)),
+                                      recorder)
+            if recorder is not None:
+                recorder.write(sampling)
             if isinstance(prompt, (list, tuple)) and _kind(prompt[0]) == "text":
                 _warn_if_raw_text_ended_at_once(self.tokenizer, out.new_tokens, out.texts, eos_ids(config))
             return out
@@ -420,9 +432,11 @@ class SpeculativeGenerator:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
                              f"{prompt_len + max_new_tokens} exceeds the backbone's context of {context} tokens")
         choose_root = (lambda logits: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
-        new_tokens, stats = speculative_decode(self.model, self.make_drafter(), input_ids, max_new_tokens, accept,
-                                               choose_root, eos_ids(config), streamer=streamer, forward=self.forward,
-                                               timed=timed)
+        drafter = self.make_drafter() if recorder is None else recorder.wrap(self.make_drafter())
+        new_tokens, stats = speculative_decode(self.model, drafter, input_ids, max_new_tokens, accept, choose_root,
+                                               eos_ids(config), streamer=streamer, forward=self.forward, timed=timed)
+        if recorder is not None:
+            recorder.write(sampling)
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         if isinstance(prompt, str):

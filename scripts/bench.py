@@ -51,6 +51,9 @@ class BenchArgs:
         "help": "heads of the tokenmaxx/hybrid methods: folder or Hub id (default: the shipped heads; 'untrained')"})
     medusa_heads: str | None = field(default=None, metadata={
         "help": "heads of the medusa[_hybrid] methods (default: the shipped Medusa heads)"})
+    heads_as: str | None = field(default=None, metadata={
+        "help": "more heads under names of their own, NAME=PATH[,NAME=PATH]: method NAME[:<tree>][@fixed] drafts as "
+                "tokenmaxx does with those heads (to compare heads in one interleaved run, e.g. adapted=runs/a/heads)"})
     mtp_heads: str | None = field(default=None, metadata={
         "help": "heads of the mtp[_hybrid] methods (default: the shipped MTP heads, where some ship)"})
     dtype: str = field(default=DEFAULT_DTYPE, metadata={
@@ -126,6 +129,7 @@ class BenchArgs:
                              f"{', '.join(BACKENDS)}")
         if self.draft not in DRAFT_MODES:
             raise ValueError(f"unknown --draft {self.draft!r}: expected one of {', '.join(DRAFT_MODES)}")
+        named_heads(self.heads_as)  # refuses a malformed list before anything loads
 
 
 def split_methods(spec: str) -> list[str]:
@@ -179,9 +183,17 @@ def build_methods(args: BenchArgs, model, tokenizer, max_cache_len: int) -> tupl
     ``max_cache_len``: the compiled baseline's static cache (the longest prompt plus --max_new_tokens)."""
     methods, notes = {"baseline": hf_method(model)}, {}
     heads = {}  # (kind, spec) -> loaded heads, shared by the methods that use them
+    named = named_heads(args.heads_as)
     for name in split_methods(args.methods):
         if name == "baseline":
             continue
+        own = name.partition("@")[0].partition(":")[0]
+        spec_of = {None: args.heads, "medusa": args.medusa_heads, "mtp": args.mtp_heads}
+        if own in named:  # drafted as tokenmaxx is, with the heads of that name
+            spec_of[None] = named[own]
+            name_as = "tokenmaxx" + name[len(own):]
+        else:
+            name_as = name
         if name.partition(":")[0] == COMPILED:
             backend = name.partition(":")[2] or "inductor"
             methods[name] = compiled_method(model, max_cache_len, backend=backend)
@@ -201,9 +213,9 @@ def build_methods(args: BenchArgs, model, tokenizer, max_cache_len: int) -> tupl
                 notes["assisted"] = f"skipped: draft model {draft} is not installed ({err})"
                 continue
             methods["assisted"] = hf_method(model, assistant_model=draft_model)
-        elif (method := tokenmaxx_method_spec(name, args.draft)) is not None:
+        elif (method := tokenmaxx_method_spec(name_as, args.draft)) is not None:
             draft, kind, tree, fixed, usual = method
-            spec = {None: args.heads, "medusa": args.medusa_heads, "mtp": args.mtp_heads}[kind]
+            spec = spec_of[kind]
             if (kind, spec) not in heads and draft != "lookup":
                 heads[kind, spec] = resolve_heads(spec, model, args.backbone, kind=kind)
             gen = SpeculativeGenerator.create(model, heads[kind, spec] if draft != "lookup" else None,
@@ -222,6 +234,20 @@ def build_methods(args: BenchArgs, model, tokenizer, max_cache_len: int) -> tupl
             raise ValueError(f"unknown method {name!r}: expected baseline, compiled[:BACKEND], prompt_lookup, assisted, "
                              f"or one of {TOKENMAXX_METHODS} (optionally :<tree>, @fixed, @usual)")
     return methods, notes
+
+
+def named_heads(value: str | None) -> dict[str, str]:
+    """--heads_as NAME=PATH[,NAME=PATH] -> {NAME: PATH}; a name may not be a built-in method's."""
+    out = {}
+    for item in filter(None, (value or "").split(",")):
+        name, eq, path = item.partition("=")
+        name = name.strip()
+        if not eq or not name or not path.strip() or not name.isidentifier():
+            raise ValueError(f"--heads_as {item!r}: expected NAME=PATH (NAME a word)")
+        if name in TOKENMAXX_METHODS or name in ("baseline", "prompt_lookup", "assisted", COMPILED):
+            raise ValueError(f"--heads_as name {name!r} is a built-in method's: choose another")
+        out[name] = path.strip()
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> BenchArgs:

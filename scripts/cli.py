@@ -24,6 +24,8 @@ COMMANDS = {
     "make-data": ("make_data", "self-distilled training data: the backbone answers chat prompts"),
     "make-text-data": ("make_text_data", "training data from text the backbone did not write (ShareGPT's answers, "
                                          "task-shaped text), labelled by it in training (--loss kl)"),
+    "adapt": ("adapt", "fine-tune heads on recorded traffic (generate --record): no backbone forward, shipped only "
+                       "if they score better on held-out traffic"),
     "push": ("push_to_hub", "push trained heads (and their model card) to the Hugging Face Hub"),
     "export": ("export_heads", "export heads for a serving engine (EAGLE-3 for vLLM / SGLang, or speculators' layout)"),
     "eval": ("eval_heads", "held-out accuracy of trained heads on a self-distilled dataset, per depth and category"),

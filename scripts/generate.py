@@ -77,8 +77,13 @@ class GenerateArgs:
         "help": "also run plain model.generate (greedy) and print both speeds and whether the tokens are identical"})
     repeats: int = field(default=1, metadata={"help": "with --compare: interleaved repeats, best time kept"})
     prompts_file: str | None = field(default=None, metadata={
-        "help": "with --compare: the prompts to compare on instead of --prompt, one per line; prints each one's "
-                "speedup and the mean"})
+        "help": "prompts instead of --prompt: one per line, or a .jsonl file of {\"prompt\": ...} objects; with "
+                "--compare prints each one's speedup and the mean, with --record records them all"})
+    record: str | None = field(default=None, metadata={
+        "help": "folder to append the traffic to (the backbone's states the heads read and its tokens, for "
+                "`tokenmaxx adapt`); with --prompts_file, a rerun of the same command goes on after the prompts "
+                "already recorded"})
+    batch_size: int = field(default=1, metadata={"help": "with --prompts_file --record: prompts a generate call"})
 
     def __post_init__(self):
         resolve_device(self.device)  # refuses a device this machine does not have
@@ -104,8 +109,12 @@ class GenerateArgs:
         if self.compare and self.sampling:
             raise ValueError("--compare checks token identity with greedy generate: use it without sampling "
                              "(no --do_sample, --temperature > 0, --top_p or --top_k)")
-        if self.prompts_file is not None and not self.compare:
-            raise ValueError("--prompts_file gives prompts to --compare: add --compare")
+        if self.prompts_file is not None and not (self.compare or self.record):
+            raise ValueError("--prompts_file gives prompts to --compare or to --record: add one of them")
+        if self.compare and self.record:
+            raise ValueError("--record keeps traffic and --compare times it: run them separately")
+        if self.batch_size <= 0:
+            raise ValueError(f"--batch_size must be positive, got {self.batch_size}")
         if self.typical and not self.sampling:
             raise ValueError("--typical is an acceptance rule for sampling: give --temperature > 0 (or --do_sample)")
 
@@ -181,9 +190,12 @@ def main(argv=None) -> int:
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     input_ids = gen.encode(prompt)
 
+    if args.record and args.prompts_file:
+        return record_prompts(gen, args)
     if not args.compare:
         streamer = TextStreamer(tokenizer, skip_prompt=True) if args.stream and not args.json else None
-        out = gen.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **args.generate_kwargs())
+        out = gen.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, record=args.record,
+                           **args.generate_kwargs())
         if args.json:
             print(json.dumps({"text": out.text, "new_tokens": out.new_tokens, "dtype": str(model.dtype).removeprefix(
                 "torch."), "draft": gen.describe(), "stats": out.stats.to_dict()}))
@@ -232,16 +244,65 @@ def main(argv=None) -> int:
 
 
 def read_prompts(path: str | None) -> list[str]:
-    """The extra prompts of ``--prompts_file``: one per line, blank lines skipped; none without the flag."""
+    """The prompts of ``--prompts_file``: one per line (blank lines skipped), or the "prompt" of each line of a .jsonl
+    file; none without the flag."""
     if path is None:
         return []
     try:
-        prompts = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+        lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
     except OSError as err:
         raise FileNotFoundError(f"--prompts_file {path}: {err.strerror}") from None
+    prompts = lines
+    if path.endswith(".jsonl"):
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--prompts_file {path} line {number} is not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+                raise ValueError(f"--prompts_file {path} line {number} has no \"prompt\" text (expected "
+                                 '{"prompt": "..."} objects, one a line)')
+            prompts.append(record["prompt"])
     if not prompts:
         raise ValueError(f"--prompts_file {path} holds no prompt (expected one per line)")
     return prompts
+
+
+def record_prompts(gen, args) -> int:
+    """Generate every prompt of --prompts_file (--batch_size a call) into the --record folder. What is done is noted in
+    the folder after each call's shard (``PROGRESS``, by the prompts' sha256 and the settings), so the same command
+    goes on where a killed one stopped."""
+    import hashlib
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    prompts = read_prompts(args.prompts_file)
+    key = hashlib.sha256(json.dumps([prompts, args.raw, args.max_new_tokens, args.generate_kwargs()["seed"]],
+                                    default=str).encode()).hexdigest()
+    progress = Path(args.record) / PROGRESS
+    done = 0
+    if progress.is_file():
+        done = max((r["done"] for r in map(json.loads, progress.read_text().splitlines()) if r["prompts"] == key),
+                   default=0)
+    tokens = 0
+    with tqdm(total=len(prompts), initial=done, desc="record", unit="prompt") as bar:
+        for first in range(done, len(prompts), args.batch_size):
+            chunk = prompts[first: first + args.batch_size]
+            rows = [gen.encode(p if args.raw else [{"role": "user", "content": p}])[0].tolist() for p in chunk]
+            out = gen.generate(rows if len(rows) > 1 else rows[0], max_new_tokens=args.max_new_tokens,
+                               record=args.record, **args.generate_kwargs())
+            tokens += sum(map(len, out.new_tokens)) if len(rows) > 1 else len(out.new_tokens)
+            with open(progress, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"prompts": key, "done": first + len(chunk)}) + "\n")
+            bar.update(len(chunk))
+    print(json.dumps({"record": args.record, "prompts": len(prompts), "recorded_now": len(prompts) - done,
+                      "new_tokens_now": tokens}))
+    return 0
+
+
+PROGRESS = "recorded-prompts.jsonl"  # in the --record folder: {"prompts": sha256, "done": N} after each call
 
 
 def compare(gen, model, input_ids, args, tree_desc: str) -> dict:

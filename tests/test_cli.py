@@ -338,10 +338,10 @@ def test_console_help_lists_the_commands():
     assert CONSOLE.is_file(), f"{CONSOLE} is missing: reinstall (pip install --no-deps -e .)"
     out = run(CONSOLE, "--help")
     assert out.returncode == 0, out.stderr
-    for name in ("generate", "bench", "train", "make-data", "make-text-data", "push", "export", "eval"):
+    for name in ("generate", "bench", "train", "make-data", "make-text-data", "adapt", "push", "export", "eval"):
         assert f"\n  {name} " in out.stdout
-    assert set(cli.COMMANDS) == {"generate", "bench", "train", "make-data", "make-text-data", "push", "export", "eval",
-                                 "acceptance"}
+    assert set(cli.COMMANDS) == {"generate", "bench", "train", "make-data", "make-text-data", "adapt", "push", "export",
+                                 "eval", "acceptance"}
 
 
 @pytest.mark.parametrize("argv", [["bogus"], []])
@@ -349,7 +349,7 @@ def test_console_unknown_or_missing_command(argv):
     out = run(CONSOLE, *argv)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("tokenmaxx: error: ")
-    assert "known commands: generate, bench, train, make-data, make-text-data, push" in out.stderr
+    assert "known commands: generate, bench, train, make-data, make-text-data, adapt, push" in out.stderr
 
 
 @pytest.mark.slow

@@ -54,11 +54,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class TrainSource:
+    """What a run trains on when it is not ``cfg.data`` read through the backbone (``adapt``: recorded traffic and a
+    replay sample): the examples, a features object (``hidden(batch)`` -> [B, W, F]) and the draft vocabulary kept
+    (the init heads'; None: one from the data, as ``--draft_vocab_size`` says). Such a run also scores the init heads
+    on the held-out rows before its first step (``TrainResult.metrics_before``: the same computation as after)."""
+
+    data: SelfDistilledData
+    features: object
+    vocab: torch.Tensor | None = None
+
+
+@dataclass
 class TrainResult:
     export_dir: Path
     steps: int  # optimizer steps done in total (including those before a resume)
     losses: list[float] = field(default_factory=list)  # loss of each step run by this call (all ranks' mean)
     metrics: dict = field(default_factory=dict)  # final held-out metrics
+    metrics_before: dict = field(default_factory=dict)  # a ``TrainSource`` run's: the same, before its first step
     positions_per_s: float = 0.0  # trained positions per second over this call's steps (all ranks)
     wall_seconds: float = 0.0
 
@@ -280,11 +293,13 @@ def step_record(step: int, sums: torch.Tensor, num_micro: int, num_heads: int, l
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
-def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainResult:
+def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
+          source: TrainSource | None = None) -> TrainResult:
     """Train heads as ``cfg`` says.
 
     model: an already loaded backbone (else ``cfg.backbone`` is loaded). stop_after: end this call right after the
     checkpoint of that step, without final metrics or export, as an interruption would (``--resume`` continues).
+    source: the examples and features to train on instead of ``cfg.data`` through the backbone (``TrainSource``).
     """
     wall_start = time.perf_counter()
     requested = cfg.to_dict()
@@ -296,8 +311,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     if init is not None and not seen:
         log.warning("the --init_heads %s record no training data: held-out rows may include rows they were trained "
                     "on", cfg.init_heads)
-    data = load_data(cfg.data, cfg.seq_len, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed,  # 2. data
-                     seen_parts=seen)
+    data = source.data if source is not None else \
+        load_data(cfg.data, cfg.seq_len, cfg.eval_fraction, cfg.eval_max_examples, cfg.seed, seen_parts=seen)  # 2.
     if data.provenance.get("answers") == "text" and cfg.loss != "kl":
         raise ValueError(f"--data {cfg.data} holds text the backbone did not write (make-text-data): its labels are "
                          f"the backbone's own distribution, so train it with --loss kl, not --loss {cfg.loss} (which "
@@ -315,7 +330,10 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     if init is not None:
         start_from(heads, init, model)
     tree = scoring_tree(heads)  # the held-out tau's tree: the serving tree, or one of its node budget
-    vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
+    if source is not None and source.vocab is not None:
+        vocab, vocab_record = source.vocab, {"size": int(source.vocab.numel()), "from": "init_heads"}
+    else:
+        vocab, vocab_record = draft_vocab_from(data, cfg.draft_vocab_size) if cfg.draft_vocab_size else (None, None)
     if vocab_record is not None and vocab_record["size"] < cfg.draft_vocab_size and rank == 0:
         print(f"note: --draft_vocab_size {cfg.draft_vocab_size} shrank to {vocab_record['size']}: the training "
               f"sequences hold only {vocab_record['size']} distinct tokens (more data gives a larger draft "
@@ -328,7 +346,9 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
     resumed = checkpoints.prepare(cfg.checkpoint_dir, identity, cfg.resume, rank)
     _barrier()
     read = objective.feature_layers(final_state_index(model))  # the heads' layers (+ the KL teacher's)
-    if cfg.feature_cache:  # 6. features
+    if source is not None:  # 6. features
+        features = source.features
+    elif cfg.feature_cache:
         features = FeatureCache.build_or_open(cfg.feature_cache, model, data, cfg.seq_len, cfg.num_heads,
                                               rank=rank, world=world, barrier=_barrier, layers=read,
                                               store_layers=cfg.feature_cache_layers)
@@ -356,6 +376,15 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
                                data.window_lengths(cfg.num_heads) if cfg.group_by_length else None)
     result = TrainResult(export_dir=cfg.heads_export_dir, steps=step)
     positions = seconds = 0.0
+    if source is not None:  # the init heads' score, once per run (a resumed run reads it back)
+        scored = out / "metrics_before.json"
+        if not scored.is_file():
+            metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world, by_category=True,
+                                rank_vocab=rank_vocab)
+            if rank == 0:
+                atomic_write_text(scored, _json(metrics))
+            _barrier()
+        result.metrics_before = json.loads(scored.read_text())
 
     def progress() -> checkpoints.Progress:  # the run's totals so far, this process included
         return checkpoints.Progress(before.wall_seconds + time.perf_counter() - wall_start,
@@ -419,7 +448,9 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None) -> TrainR
              "seen_parts": sorted(set(seen) | set(part_digests(data.provenance)))}
     if init is not None:
         extra["init_heads"] = init_heads_record(init, cfg.init_heads, seen)
-    if cfg.draft_vocab_size:
+    if source is not None:
+        extra["metrics_before"] = result.metrics_before
+    if vocab is not None:
         extra["_draft_vocab"], extra["draft_vocab"] = vocab, {**vocab_record, "loss": cfg.loss_vocab == "draft"}
     export_heads(engine.module.heads, cfg, extra, rank)  # 10. export
     return result

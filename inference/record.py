@@ -1,0 +1,75 @@
+"""Recording a generation's traffic for the heads (``generate(..., record=FOLDER)``; the store: ``heads.io.traffic``).
+
+The decode loop already hands every drafter what the heads learn from: the prompt's states at the prefill
+(``Prefill.hidden``) and, each round, the states at the accepted nodes with the tokens the round emitted
+(``Outcome.hidden``, ``Outcome.emitted``). ``Recording`` wraps a drafter and keeps a copy of both as the loop passes
+them in, so recording touches no decode path and changes nothing it computes: one prompt and every row of a batch
+are recorded alike, and the output is the same with recording on and off. At the end of the call ``Recorder.write``
+appends the rows to the store as one shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenmaxx.heads.io import traffic
+
+
+class Recording:
+    """A drafter that keeps what the loop tells it (features and tokens of its row) and otherwise is the drafter it
+    wraps: every other attribute is the wrapped drafter's."""
+
+    def __init__(self, drafter, lookback: int):
+        self._drafter, self._lookback = drafter, lookback
+        self._ids: list[torch.Tensor] = []
+        self._features: list[torch.Tensor] = []
+        self._prompt_len = 0
+
+    def __getattr__(self, name):
+        return getattr(self._drafter, name)
+
+    def start(self, prefill) -> None:
+        keep = max(0, prefill.input_ids.shape[0] - 1 - self._lookback)  # the prompt tail training reads
+        self._prompt_len = prefill.input_ids.shape[0] - keep
+        self._ids = [prefill.input_ids[keep:].clone(), torch.tensor([prefill.root], device=prefill.input_ids.device)]
+        self._features = [prefill.hidden[keep:].clone()]
+        self._drafter.start(prefill)
+
+    def observe(self, outcome) -> None:
+        emitted = len(outcome.emitted)  # the accepted path cut where the output was (EOS, max_new_tokens)
+        self._ids.append(outcome.token_ids[:emitted])
+        self._features.append(outcome.hidden[:emitted])  # the states at the root and the kept accepted nodes
+        self._drafter.observe(outcome)
+
+    def row(self, sampled: bool) -> traffic.TrafficRow:
+        ids = torch.cat([t.to("cpu", torch.long) for t in self._ids])
+        return traffic.TrafficRow(ids=ids, prompt_len=self._prompt_len,
+                                  features=torch.cat([f.to("cpu") for f in self._features]), sampled=sampled)
+
+
+class Recorder:
+    """Recording for one generate call into ``folder``: ``wrap`` each row's drafter, then ``write`` after the loop.
+    The folder is opened (and checked against what is recorded now) before anything is generated."""
+
+    def __init__(self, folder: str | Path, model, heads):
+        if heads is None:
+            raise ValueError("record= keeps the backbone states the heads read, for `tokenmaxx adapt`: it needs a "
+                             "generator whose heads draft (draft='hybrid' or 'heads'); this one drafts without them")
+        hidden = model.get_output_embeddings().weight.shape[1]
+        layers = list(heads.feature_layers) if heads.feature_layers else None
+        self.lookback = heads.config.num_heads
+        meta = traffic.store_meta(model, layers, hidden * (len(layers) if layers else 1),
+                                  model.get_output_embeddings().weight.dtype, self.lookback)
+        self.folder = traffic.open_store(folder, meta)
+        self.rows: list[Recording] = []
+
+    def wrap(self, drafter) -> Recording:
+        recording = Recording(drafter, self.lookback)
+        self.rows.append(recording)
+        return recording
+
+    def write(self, sampled: bool) -> Path | None:
+        """The rows as one new shard of the store (the path; None when nothing was recorded)."""
+        return traffic.append(self.folder, [r.row(sampled) for r in self.rows if r._ids])

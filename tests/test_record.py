@@ -1,0 +1,165 @@
+"""Recording traffic (``generate(..., record=FOLDER)``, ``heads.io.traffic``): the output is the same with recording
+on and off, one prompt and every row of a batch; what is stored equals the backbone's own states and tokens; a killed
+writer leaves nothing half-written; a folder recorded by other heads is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import random_eagle3, random_mtp, repeating_prompts, tiny_model
+
+from tokenmaxx.heads.io import traffic
+from tokenmaxx.heads.modeling import backbone_features
+from tokenmaxx.inference import SpeculativeGenerator
+
+
+def _prompts(model, n=4, seed=5):
+    return [(p[0].tolist(), new) for p, new in repeating_prompts(model.config.vocab_size, seed=seed, n=n)]
+
+
+def _check_store(folder, model, heads, expected: list[tuple[list[int], list[int]]]) -> None:
+    """Every recorded row holds its prompt's tail and new tokens, and features equal to one plain backbone forward
+    over the whole sequence at the heads' feature layers."""
+    reader = traffic.TrafficReader(folder)
+    assert len(reader) == len(expected)
+    for i, (prompt, new) in enumerate(expected):
+        full = torch.tensor([prompt + new])
+        keep = max(0, len(prompt) - 1 - heads.config.num_heads)
+        assert reader.ids(i).tolist() == (prompt + new)[keep:]
+        assert reader.prompt_len(i) == len(prompt) - keep
+        with torch.no_grad():
+            states = backbone_features(model(full, output_hidden_states=True).hidden_states, heads.feature_layers)[0]
+        torch.testing.assert_close(reader.features(i), states[keep:-1], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(reader.features(i, 2), states[keep + 2:-1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,draft", [("eagle3", "hybrid"), ("eagle3", "heads"), ("mtp", "hybrid")])
+def test_recording_changes_no_output_and_stores_the_backbones_states(tmp_path, kind, draft):
+    model = tiny_model("llama", seed=1)
+    heads = random_eagle3(model, scale=0.05) if kind == "eagle3" else random_mtp(model, scale=0.05)
+    gen = SpeculativeGenerator(model, heads, draft=draft, costs=None)
+    prompts = _prompts(model)
+    expected = []
+    for prompt, new in prompts:  # one prompt a call: one shard each
+        plain = gen.generate(prompt, max_new_tokens=new)
+        recorded = gen.generate(prompt, max_new_tokens=new, record=tmp_path / "one")
+        assert recorded.new_tokens == plain.new_tokens
+        assert recorded.stats.to_dict()["accepted_hist"] == plain.stats.to_dict()["accepted_hist"]
+        expected.append((prompt, plain.new_tokens))
+    assert len(traffic.shards(tmp_path / "one")) == len(prompts)
+    _check_store(tmp_path / "one", model, heads, expected)
+
+    rows = [p for p, _ in prompts]  # a batch: every row recorded, in one shard
+    plain = gen.generate(rows, max_new_tokens=[n for _, n in prompts])
+    recorded = gen.generate(rows, max_new_tokens=[n for _, n in prompts], record=tmp_path / "batch")
+    assert recorded.new_tokens == plain.new_tokens == [new for _, new in expected]
+    assert len(traffic.shards(tmp_path / "batch")) == 1
+    _check_store(tmp_path / "batch", model, heads, expected)
+
+
+def test_rows_cut_at_eos_and_sampled_rows_are_recorded_as_emitted(tmp_path):
+    model = tiny_model("llama", seed=3)
+    prompts = _prompts(model, n=3, seed=7)
+    reference = SpeculativeGenerator(model, random_eagle3(model, scale=0.05), costs=None)
+    early = reference.generate(prompts[1][0], max_new_tokens=30).new_tokens[4]
+    model.generation_config.eos_token_id = early  # one row stops early, at an EOS inside an accepted path
+    heads = random_eagle3(model, scale=0.05)
+    gen = SpeculativeGenerator(model, heads, costs=None)
+    out = gen.generate([p for p, _ in prompts], max_new_tokens=30, record=tmp_path / "eos")
+    assert any(row[-1] == early and len(row) < 30 for row in out.new_tokens)
+    _check_store(tmp_path / "eos", model, heads, [(p, new) for (p, _), new in zip(prompts, out.new_tokens)])
+    sampled = gen.generate(prompts[0][0], max_new_tokens=20, do_sample=True, temperature=1.0, seed=3,
+                           record=tmp_path / "sampled")
+    again = gen.generate(prompts[0][0], max_new_tokens=20, do_sample=True, temperature=1.0, seed=3)
+    assert sampled.new_tokens == again.new_tokens
+    reader = traffic.TrafficReader(tmp_path / "sampled")
+    assert reader.sampled(0) and not traffic.TrafficReader(tmp_path / "eos").sampled(0)
+    _check_store(tmp_path / "sampled", model, heads, [(prompts[0][0], sampled.new_tokens)])
+
+
+def test_a_killed_writer_leaves_whole_shards_only(tmp_path, monkeypatch):
+    model = tiny_model("llama", seed=1)
+    heads = random_eagle3(model, scale=0.05)
+    gen = SpeculativeGenerator(model, heads, costs=None)
+    prompt, new = _prompts(model, n=1)[0]
+    gen.generate(prompt, max_new_tokens=new, record=tmp_path)
+
+    def killed(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a shard")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(traffic, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(prompt, max_new_tokens=new, record=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != traffic.META) == \
+        [p.name for p in traffic.shards(tmp_path)]
+    assert len(traffic.TrafficReader(tmp_path)) == 1
+
+
+def test_bad_record_folders_are_refused_before_any_work(tmp_path):
+    model = tiny_model("llama", seed=1)
+    prompt, new = _prompts(model, n=1)[0]
+    SpeculativeGenerator(model, random_eagle3(model), costs=None).generate(prompt, max_new_tokens=new,
+                                                                           record=tmp_path / "e3")
+    other = SpeculativeGenerator(model, random_eagle3(model, feature_layers=(1, 2, 0)), costs=None)
+    with pytest.raises(ValueError, match=r"other heads or another backbone \(feature_layers: recorded \[0, 1, 2\]"):
+        other.generate(prompt, max_new_tokens=new, record=tmp_path / "e3")
+    assert len(traffic.shards(tmp_path / "e3")) == 1
+    lookup = SpeculativeGenerator(model, None, draft="lookup", costs=None)
+    with pytest.raises(ValueError, match="needs a generator whose heads draft"):
+        lookup.generate(prompt, max_new_tokens=new, record=tmp_path / "lookup")
+    assert not (tmp_path / "lookup").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        SpeculativeGenerator(model, random_eagle3(model), costs=None).generate(prompt, record=tmp_path / "file")
+    with pytest.raises(FileNotFoundError, match="no meta.json in it"):
+        traffic.TrafficReader(tmp_path)
+
+
+# ---- adapt: the heads learn the recorded traffic ---------------------------------------------------------------------
+def _kind_a(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts of one kind: random runs of tokens from a narrow band of the vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(40, 56, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def _mean_tau(gen, prompts, new=24) -> float:
+    outs = [gen.generate(p, max_new_tokens=new) for p in prompts]
+    return sum(o.stats.mean_tau for o in outs) / len(outs)
+
+
+@pytest.mark.slow
+def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backbone_dir, data_dir):
+    from tokenmaxx.heads import load_backbone, load_heads
+    from tokenmaxx.training.adapt import AdaptConfig, adapt
+
+    model, _ = load_backbone(str(backbone_dir), dtype="float32")
+    heads = random_eagle3(model, seed=4, scale=0.3)
+    heads.save_pretrained(tmp_path / "heads")
+    served = SpeculativeGenerator(model, load_heads(str(tmp_path / "heads")), draft="heads", costs=None)
+    vocab = model.config.vocab_size
+    rows = _kind_a(vocab, 48, seed=0)
+    for first in range(0, len(rows), 8):  # traffic: batches of 8
+        served.generate(rows[first: first + 8], max_new_tokens=24, record=tmp_path / "traffic")
+    others = _kind_a(vocab, 8, seed=1)  # prompts of the same kind, never recorded
+    before = _mean_tau(served, others)
+    report = adapt(AdaptConfig(heads=str(tmp_path / "heads"), traffic=str(tmp_path / "traffic"),
+                               output_dir=str(tmp_path / "run"), replay=str(data_dir), replay_share=0.25,
+                               replay_eval=8, dtype="float32", max_steps=80, lr=1e-2, warmup=2, micro_batch_size=8,
+                               seq_len=48, save_every=20, held_out=0.2))
+    assert report["shipped"], report
+    assert report["after"]["traffic"]["tree_tau_empirical"] > report["before"]["traffic"]["tree_tau_empirical"]
+    assert set(report["before"]) == {"traffic", "replay"} and report["rows"]["replay_train"] > 0
+    adapted = SpeculativeGenerator(model, load_heads(str(tmp_path / "run" / "heads")), draft="heads", costs=None)
+    after = _mean_tau(adapted, others)
+    assert after > before + 0.2, (before, after, report)
+    for p in others[:3]:  # still the backbone's own output
+        assert adapted.generate(p, max_new_tokens=24).new_tokens == served.generate(p, max_new_tokens=24).new_tokens
+    extra = load_heads(str(tmp_path / "run" / "heads")).config.extra
+    assert extra["metrics_before"] == json.loads((tmp_path / "run" / "metrics_before.json").read_text())
+    assert torch.equal(load_heads(str(tmp_path / "run" / "heads")).draft_vocab, heads.draft_vocab) \
+        if heads.draft_vocab is not None else load_heads(str(tmp_path / "run" / "heads")).draft_vocab is None

@@ -1,0 +1,254 @@
+"""Adapt trained heads to the traffic they served (``tokenmaxx adapt``): the verify pass was the teacher.
+
+A recording (``generate(..., record=FOLDER)``, ``heads.io.traffic``) holds, for every generated position, the
+backbone's states that the heads read and the backbone's own token: what a training step needs, without the backbone
+forward that is most of a step's cost. ``adapt`` fine-tunes the heads on it with the trainer (``trainer.train`` with a
+``TrainSource``: the same steps, checkpoints, resume and export), mixed with a replay sample of the heads' original
+training data so that what they knew is kept, and ships the result only if it scores better on held-out traffic:
+
+1. traffic    every recorded row; a fixed share held out by a hash of its tokens (stable as the recording grows)
+2. replay     rows of ``--replay`` (a self-distilled dataset): a seeded sample of its training rows, and of the rows
+              the heads' own run held out (the split it recorded); their features computed once by the backbone and
+              cached in the run folder (``features.FeatureCache``)
+3. train      cross-entropy on the backbone's tokens (greedy traffic: its argmax), from the heads' weights, over their
+              draft vocabulary; the init heads scored first on the held-out rows by the same computation
+4. ship       the candidate becomes OUT/heads when its held-out traffic tau (``tree_tau_empirical``) beats the init
+              heads' by ``--min_gain``; otherwise it is removed and the report says why. OUT/adapt.json: before and
+              after, per category ("traffic", "replay"), and the run's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tokenmaxx.heads import load_backbone, load_heads
+from tokenmaxx.heads.config import backbone_identity
+from tokenmaxx.heads.io import traffic as traffic_store
+
+from .batches import Example, SelfDistilledData, load_data, trained_parts
+from .checkpoints import atomic_write_text
+from .evaluation import recorded_split, recorded_training
+from .features import FeatureCache, _pad_windows
+from .train_config import DTYPES, TrainConfig, default_threads
+from .trainer import TrainSource, train
+
+log = logging.getLogger(__name__)
+TRAFFIC, REPLAY = "traffic", "replay"  # the categories of the run's rows
+SCORE = "tree_tau_empirical"  # what decides shipping: the heads' expected tokens a round on held-out traffic
+
+
+@dataclass
+class AdaptConfig:
+    heads: str = field(metadata={"help": "the heads to adapt: a folder or Hub id (what the traffic was served with)"})
+    traffic: str = field(metadata={"help": "folder recorded by generate(..., record=FOLDER) / generate --record"})
+    output_dir: str = field(metadata={"help": "run folder: checkpoints/, metrics.jsonl, adapt.json, and heads/ when "
+                                              "the adapted heads win"})
+    replay: str | None = field(default=None, metadata={
+        "help": "self-distilled dataset the heads were trained on (e.g. distilled/smollm2-mix): a sample of it is "
+                "mixed in so that what the heads knew is kept, and its held-out rows are scored before and after"})
+    replay_share: float = field(default=0.5, metadata={
+        "help": "replay rows per traffic training row (0.5: one replay row to two of traffic)"})
+    replay_eval: int = field(default=64, metadata={"help": "held-out replay rows scored before and after"})
+    held_out: float = field(default=0.1, metadata={"help": "share of the traffic rows held out for the score"})
+    min_gain: float = field(default=0.0, metadata={
+        "help": "ship only if held-out traffic tau rises by more than this"})
+    backbone: str | None = field(default=None, metadata={"help": "backbone; default: the one the heads name"})
+    dtype: str = field(default="auto", metadata={"help": f"one of {DTYPES}"})
+    device: str = field(default="auto", metadata={"help": "cpu | cuda[:N] | auto"})
+    threads: int = field(default_factory=default_threads, metadata={"help": "torch CPU threads"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    lr: float = field(default=1e-4, metadata={"help": "peak AdamW learning rate (small: the heads are trained)"})
+    warmup: int = field(default=10, metadata={"help": "warm-up steps"})
+    micro_batch_size: int = field(default=8, metadata={"help": "rows per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per row at most (prompt tail + answer)"})
+    seed: int = field(default=0, metadata={"help": "seed of the replay sample and the data order"})
+    save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (and at the end)"})
+    resume: bool = field(default=False, metadata={"help": "go on from the run folder's newest checkpoint"})
+
+    def __post_init__(self):
+        for name in ("max_steps", "micro_batch_size", "grad_accum", "seq_len", "threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.held_out < 1:
+            raise ValueError(f"--held_out must be in (0, 1), got {self.held_out!r}")
+        if self.replay_share < 0 or self.replay_eval < 0:
+            raise ValueError("--replay_share and --replay_eval must be >= 0")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+class RecordedFeatures:
+    """``window(i, start)`` of recorded row i: its features from ``start`` on, one zero row for the last position
+    (whose state no forward computed, and whose anchor has no target)."""
+
+    def __init__(self, reader: traffic_store.TrafficReader):
+        self.reader = reader
+
+    def window(self, i: int, start: int) -> torch.Tensor:
+        states = self.reader.features(i, start)
+        return torch.cat([states, states.new_zeros(1, states.shape[1])])
+
+
+class MixedFeatures:
+    """The run's ``hidden(batch)``: each row's window from where it lives (recorded traffic or the replay cache), in
+    the backbone's dtype, on its device."""
+
+    def __init__(self, where: dict[int, tuple[object, int]], device: torch.device, dtype: torch.dtype):
+        self.where, self.device, self.dtype = where, device, dtype  # run row -> (source, its row there)
+
+    def hidden(self, batch) -> torch.Tensor:
+        windows = []
+        for row, start, length in zip(batch.rows, batch.starts, batch.lengths.tolist()):
+            source, key = self.where[row]
+            windows.append(source.window(key, start)[:length].to(self.dtype))
+        return _pad_windows(windows, batch.input_ids.shape[1]).to(self.device)
+
+
+def check_traffic(meta: dict, heads, model, folder) -> None:
+    """The recording was made by these heads' kind of features on this backbone (one error naming each field)."""
+    ident, revision = backbone_identity(model)
+    layers = list(heads.config.feature_layers) if heads.config.feature_layers else None
+    wanted = {"backbone": ident, "backbone_revision": revision, "feature_layers": layers}
+    differ = [f"{k}: recorded {meta.get(k)!r}, these heads need {v!r}" for k, v in wanted.items() if meta.get(k) != v]
+    if meta.get("lookback", 0) < heads.config.num_heads:
+        differ.append(f"lookback: recorded {meta.get('lookback')!r}, these heads need >= {heads.config.num_heads}")
+    if differ:
+        raise ValueError(f"--traffic {folder} was not recorded for these heads ({'; '.join(differ)}): record with "
+                         "them (generate(..., record=FOLDER) with these heads on this backbone)")
+
+
+def held_out_row(ids: torch.Tensor, share: float) -> bool:
+    """Whether a row is held out: a hash of its tokens, so a row keeps its side as the recording grows."""
+    digest = hashlib.sha256(ids.numpy().astype("int64").tobytes()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def traffic_examples(reader, seq_len: int, share: float) -> tuple[list[Example], list[bool], list[int]]:
+    """Examples of the recorded rows (run rows 0..n-1; ids cut to ``seq_len``), whether each is held out, and the
+    reader's row of each."""
+    examples, held, rows = [], [], []
+    for i in range(len(reader)):
+        ids, prompt_len = reader.ids(i), reader.prompt_len(i)
+        if prompt_len >= min(len(ids), seq_len):  # no answer token inside seq_len
+            continue
+        examples.append(Example(len(examples), ids[:seq_len].clone(), prompt_len, TRAFFIC))
+        held.append(held_out_row(ids, share))
+        rows.append(i)
+    return examples, held, rows
+
+
+def adapt(cfg: AdaptConfig) -> dict:
+    """The whole run (module docstring); returns the report also written to OUT/adapt.json."""
+    out = Path(cfg.output_dir)
+    heads = load_heads(cfg.heads)
+    backbone = cfg.backbone or heads.config.backbone
+    model, _ = load_backbone(backbone, dtype=cfg.dtype, device=cfg.device)
+    model.requires_grad_(False)
+    torch.set_num_threads(cfg.threads)
+    reader = traffic_store.TrafficReader(cfg.traffic)
+    check_traffic(reader.meta, heads, model, cfg.traffic)
+    examples, held, rows = traffic_examples(reader, cfg.seq_len, cfg.held_out)
+    train_rows = [e.row for e, h in zip(examples, held) if not h]
+    eval_rows = [e.row for e, h in zip(examples, held) if h]
+    if not train_rows or not eval_rows:
+        raise ValueError(f"--traffic {cfg.traffic} holds {len(examples)} usable rows ({len(eval_rows)} held out): too "
+                         "few to adapt and score; record more generations")
+    recorded = RecordedFeatures(reader)
+    where = {e.row: (recorded, i) for e, i in zip(examples, rows)}
+    all_examples = {e.row: e for e in examples}
+    digest = hashlib.sha256()
+    for path in traffic_store.shards(cfg.traffic):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    provenance = {"backbone": reader.meta["backbone"], "backbone_revision": reader.meta["backbone_revision"],
+                  "traffic": {"folder": str(cfg.traffic), "rows": len(examples), "held_out": len(eval_rows),
+                              "answer_tokens": sum(len(e.ids) - e.prompt_len for e in examples)}}
+    training = recorded_training(heads.config)
+    if cfg.replay:
+        # the split the heads' own run made (its held-out rows are scored; none of them is trained on)
+        split = {"seq_len": cfg.seq_len, "eval_fraction": 0.05, "eval_max_examples": 256, "seed": cfg.seed,
+                 **recorded_split(heads.config)}
+        replay = load_data(cfg.replay, split["seq_len"], split["eval_fraction"], split["eval_max_examples"],
+                           split["seed"], seen_parts=trained_parts(heads.config))
+        gen = torch.Generator().manual_seed(cfg.seed)
+        want = min(len(replay.train), round(cfg.replay_share * len(train_rows)))
+        picked = sorted(replay.train[i] for i in torch.randperm(len(replay.train), generator=gen)[:want].tolist())
+        scored = sorted(replay.eval[i] for i in torch.randperm(len(replay.eval), generator=gen)[:cfg.replay_eval]
+                        .tolist())
+        subset = dataclasses.replace(replay, examples={r: replay.examples[r] for r in picked + scored},
+                                     train=picked, eval=scored)
+        key = hashlib.sha256(json.dumps([replay.fingerprint, picked, scored]).encode()).hexdigest()[:12]
+        cache = FeatureCache.build_or_open(out / f"replay-features-{key}", model, subset, cfg.seq_len,
+                                           heads.config.num_heads, layers=heads.feature_layers)
+        base = len(examples)
+        for i, r in enumerate(picked + scored):
+            e = replay.examples[r]
+            all_examples[base + i] = Example(base + i, e.ids, e.prompt_len, REPLAY)
+            where[base + i] = (cache, r)
+        train_rows += [base + i for i in range(len(picked))]
+        eval_rows += [base + len(picked) + i for i in range(len(scored))]
+        digest.update(key.encode())
+        provenance["replay"] = {"data": str(cfg.replay), "fingerprint": replay.fingerprint, "train_rows": len(picked),
+                                "held_out_rows": len(scored)}
+    data = SelfDistilledData(examples=all_examples, train=train_rows, eval=eval_rows, provenance=provenance,
+                             fingerprint=digest.hexdigest(), num_rows=len(all_examples),
+                             dropped=len(reader) - len(rows))
+    weight = model.get_output_embeddings().weight
+    features = MixedFeatures(where, weight.device, weight.dtype)
+    vocab = heads.draft_vocab.cpu() if heads.draft_vocab is not None else None
+    loss_vocab = training.get("loss_vocab", "full") if vocab is not None else "full"
+    candidate = out / "candidate"
+    train_cfg = TrainConfig(
+        data=str(cfg.traffic), output_dir=str(out), export_dir=str(candidate), seq_len=cfg.seq_len,
+        seed=cfg.seed, backbone=backbone, device=cfg.device, dtype=str(weight.dtype).removeprefix("torch."),
+        threads=cfg.threads, kind=heads.config.kind, num_heads=heads.config.num_heads,
+        num_layers=heads.config.num_layers, share_lm_head=heads.config.share_lm_head,
+        feature_layers=list(heads.config.feature_layers) if heads.config.feature_layers else None,
+        init_heads=cfg.heads, draft_vocab_size=int(vocab.numel()) if vocab is not None else None,
+        loss="ce", loss_vocab=loss_vocab, head_decay=training.get("head_decay", 0.8), max_steps=cfg.max_steps,
+        lr=cfg.lr, warmup=min(cfg.warmup, cfg.max_steps), micro_batch_size=cfg.micro_batch_size,
+        grad_accum=cfg.grad_accum, save_every=cfg.save_every, resume=cfg.resume, eval_fraction=cfg.held_out,
+        eval_max_examples=len(eval_rows))
+    result = train(train_cfg, model=model, source=TrainSource(data, features, vocab))
+    report = _report(cfg, result, data)
+    shipped = out / "heads"
+    if report["shipped"]:
+        if shipped.exists():
+            shutil.rmtree(shipped)
+        candidate.rename(shipped)
+    else:
+        shutil.rmtree(candidate, ignore_errors=True)
+    atomic_write_text(out / "adapt.json", json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _scores(metrics: dict) -> dict:
+    """Per category ("traffic", "replay"; the whole held-out set when it is traffic alone): the score and depth-1
+    top-1."""
+    groups = metrics.get("by_category") or {TRAFFIC: metrics}
+    return {c: {SCORE: m.get(SCORE), "head1_top1": (m.get("head_top1") or [None])[0]} for c, m in groups.items()}
+
+
+def _report(cfg: AdaptConfig, result, data: SelfDistilledData) -> dict:
+    before, after = _scores(result.metrics_before), _scores(result.metrics)
+    gain = after[TRAFFIC][SCORE] - before[TRAFFIC][SCORE]
+    shipped = gain > cfg.min_gain
+    why = (f"held-out traffic tau {before[TRAFFIC][SCORE]:.4f} -> {after[TRAFFIC][SCORE]:.4f}"
+           f"{'' if shipped else f': not above the init heads by more than --min_gain {cfg.min_gain}'}")
+    return {"shipped": shipped, "heads": str(Path(cfg.output_dir) / "heads") if shipped else None, "why": why,
+            "before": before, "after": after, "steps": result.steps,
+            "positions_per_s": round(result.positions_per_s, 1), "wall_seconds": round(result.wall_seconds, 1),
+            "rows": {"traffic_train": sum(data.examples[r].category == TRAFFIC for r in data.train),
+                     "traffic_held_out": sum(data.examples[r].category == TRAFFIC for r in data.eval),
+                     "replay_train": sum(data.examples[r].category == REPLAY for r in data.train),
+                     "replay_held_out": sum(data.examples[r].category == REPLAY for r in data.eval)}}
