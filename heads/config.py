@@ -50,6 +50,10 @@ class HeadsConfig:
     dynamic_tree: DynamicTreeConfig | None = field(default=None, metadata={
         "help": "kinds that draft dynamic trees (the sequential kinds: eagle3, mtp): node budget, top-k, depth, "
                 "min_mass; None: the defaults"})
+    prompt_context: int | None = field(default=None, metadata={
+        "help": "sequential kinds: how many of the prompt's last positions the module reads before the answer, in "
+                "training and drafting alike (its attention's context); None: num_heads + 1, the fewest that every "
+                "depth's target needs"})
     extra: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "provenance: training config, data, metrics (free-form, JSON-serialisable)"})
 
@@ -63,6 +67,11 @@ class HeadsConfig:
                 not isinstance(self.draft_vocab_size, int) or not 0 < self.draft_vocab_size <= self.vocab_size):
             raise ValueError(f"HeadsConfig.draft_vocab_size must be None or an integer in [1, vocab_size "
                              f"{self.vocab_size}], got {self.draft_vocab_size!r}")
+        if self.prompt_context is not None and (isinstance(self.prompt_context, bool) or not isinstance(
+                self.prompt_context, int) or self.prompt_context < self.num_heads + 1):
+            raise ValueError(f"HeadsConfig.prompt_context must be None or an integer >= num_heads + 1 = "
+                             f"{self.num_heads + 1} (every depth's target needs that many), got "
+                             f"{self.prompt_context!r}")
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
             raise ValueError(f"HeadsConfig.num_layers must be an integer >= 0, got {self.num_layers!r}")
         if self.tree is not None:
@@ -115,6 +124,12 @@ class HeadsConfig:
         if not isinstance(data, dict):
             raise ValueError(f"heads config {path} must hold a JSON object, got {type(data).__name__}")
         return cls.from_dict(data)
+
+
+def lookback(config) -> int:
+    """Prompt positions before the last one that the heads read (training windows, ``batches.window_start``, and the
+    drafter's start): ``prompt_context - 1``, or ``num_heads`` (every depth's target) when it is not set."""
+    return config.prompt_context - 1 if getattr(config, "prompt_context", None) else config.num_heads
 
 
 def backbone_identity(model) -> tuple[str, str | None]:

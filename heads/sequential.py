@@ -35,6 +35,7 @@ from .draft_vocab import DraftVocab
 from .drafting import HEADS, Draft, Outcome, Pass, Prefill, run_alone
 from .machine import reads_are_free
 from .dynamic_tree import DynamicTreeConfig, Frontier, tree_growth
+from .config import lookback
 from .modeling import DraftHeads
 
 
@@ -286,14 +287,14 @@ class SequentialDrafter:
     def start(self, prefill: Prefill) -> None:
         """After the prefill: the module reads the end of the prompt.
 
-        Like training (whose windows start K+1 positions before the answer), the module's context starts at anchor
-        max(0, P - 1 - K) rather than at the beginning of a long prompt.
+        Like training (whose windows start ``config.lookback`` positions before the prompt's last: K by default), the
+        module's context starts at anchor max(0, P - 1 - lookback) rather than at the beginning of a long prompt.
         """
         self.vocab = DraftVocab.for_prompt(self.heads.draft_vocab, self.lm_head, prefill.input_ids) \
             if self.use_vocab else None
         input_ids, hidden = prefill.input_ids, prefill.hidden
         prompt_len = input_ids.shape[0]
-        first = max(0, prompt_len - 1 - self.heads.config.num_heads)
+        first = max(0, prompt_len - 1 - lookback(self.heads.config))
         self.cache = self._new_cache(MODULE_CACHE)
         self.length = 0
         self.next_position = first

@@ -15,6 +15,7 @@ from .generator import (DEFAULT_DTYPE, EmulatedBf16Warning, EmulatedDtypeWarning
                         RawTextPromptWarning, SpeculativeGenerator)
 from .lookup import LookupConfig
 from .measure import measure_costs
+from .online import OnlineAdapt
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical
 
 __all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse_tree", "BudgetDrafter", "GateConfig",
@@ -22,4 +23,4 @@ __all__ = ["Tree", "TreeBuffers", "chain", "default_tree", "parse_tree", "sparse
            "DRAFT_MODES", "Drafter", "DraftSettings", "make_drafter", "ForwardContext", "DEFAULT_DTYPE",
            "EmulatedBf16Warning", "EmulatedDtypeWarning", "GenerationOutput", "GenerationStats", "RawTextPromptWarning",
            "SpeculativeGenerator", "LookupConfig",
-           "measure_costs", "TypicalAcceptance", "accept_sampling", "accept_typical"]
+           "measure_costs", "OnlineAdapt", "TypicalAcceptance", "accept_sampling", "accept_typical"]

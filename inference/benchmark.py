@@ -152,9 +152,10 @@ def compiled_method(model, max_cache_len: int, backend: str = "inductor") -> Cal
     return hf_method(model, cache_implementation="static", max_cache_len=max_cache_len, compile_config=config)
 
 
-def tokenmaxx_method(generator) -> Callable[[torch.Tensor, int], tuple[list[int], dict]]:
+def tokenmaxx_method(generator, record=None) -> Callable[[torch.Tensor, int], tuple[list[int], dict]]:
+    """A benchmark method of ``generator`` (``record``: a folder every generation's traffic is recorded into)."""
     def run(input_ids, max_new_tokens):
-        out = generator.generate(input_ids, max_new_tokens=max_new_tokens)
+        out = generator.generate(input_ids, max_new_tokens=max_new_tokens, record=record)
         stats = out.stats
         heads_rounds = 0 if generator.draft == "lookup" else stats.steps - stats.heads_skipped
         return out.new_tokens, {"sources": dict(stats.accepted_by_source), "rounds": stats.steps,

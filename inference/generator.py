@@ -33,6 +33,7 @@ from .forward import CACHES, ForwardContext
 from .lookup import LookupConfig
 from .loop import STATIC_MARGIN, GenerationStats, eos_ids, greedy_root, speculative_decode
 from .record import Recorder
+from .online import OnlineAdapt, OnlineLearner
 from .measure import Calibration, announce_measuring, cached_small_rows, measure_costs, resolve_auto
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
     target_probs
@@ -111,13 +112,14 @@ class SpeculativeGenerator:
     CPU backbone on the one that shares key/value heads). ``cache``: the generation's KV cache, "dynamic" (grown and
     cropped each round), "static" (preallocated, trees padded to a few sizes, ``kv.StaticKV``) or "auto": static
     on an accelerator, dynamic on a CPU. ``capture``: compile each verify shape once (CUDA graphs on a GPU), eager
-    where that fails; None: with a static cache on an accelerator.
+    where that fails; None: with a static cache on an accelerator. ``online``: adapt the heads in place to the
+    traffic they serve (``online.OnlineAdapt``; off by default); the output stays the backbone's own.
     """
 
     def __init__(self, model, heads: DraftHeads | None, tokenizer=None, tree=None, strict_identity: bool = True,
                  draft: str = DEFAULT_DRAFT, lookup: LookupConfig | None = None, gate: GateConfig | None = None,
                  draft_vocab: bool = True, costs: Costs | None = None, cache: str = "auto",
-                 capture: bool | None = None):
+                 capture: bool | None = None, online: OnlineAdapt | None = None):
         check_draft_mode(draft, heads)
         if cache not in ("auto",) + CACHES:
             raise ValueError(f"cache must be 'auto' or one of {CACHES}, got {cache!r}")
@@ -143,6 +145,10 @@ class SpeculativeGenerator:
         self.draft_vocab = draft_vocab
         # the heads' tree settings as their kind parses them (here, once); None when only lookup drafts
         self.tree_settings = heads.tree_settings(heads.config, tree) if draft != "lookup" else None
+        if online is not None and (heads is None or draft not in NEEDS_HEADS):
+            raise ValueError("online adaptation trains the heads on what they serve: it needs heads drafting "
+                             f"(draft='hybrid' or 'heads'), this generator drafts with {draft!r}")
+        self.online = OnlineLearner(online, heads, model) if online is not None else None
         self._use_costs(costs)
 
     def _use_costs(self, costs: Costs | None) -> None:
@@ -324,6 +330,11 @@ class SpeculativeGenerator:
             outputs.append(GenerationOutput(sequences=sequences, new_tokens=new, stats=row_stats, text=text))
         return BatchOutput(rows=outputs, stats=stats)
 
+    def _recorded(self, rows) -> None:
+        """A call's traffic, to online adaptation when it is on."""
+        if self.online is not None:
+            self.online.add(rows)
+
     def _check_memory(self, rows: int, positions: int) -> None:
         """MemoryError before the prefill when a batch of ``rows`` rows of up to ``positions`` cache entries (plus
         the largest tree each) would not fit in ``MEMORY_HEADROOM`` of the memory free now: the KV cache, and the
@@ -414,14 +425,14 @@ class SpeculativeGenerator:
         else:
             accept = accept_greedy
         recorder = None
-        if record is not None:
+        if record is not None or self.online is not None:
             recorder = Recorder(record, self.model, self.heads if self.draft in NEEDS_HEADS else None)
         if rows is not None:
             out = self._generate_rows(rows, per_row or [max_new_tokens] * len(rows), accept, config,
                                       sampling and (lambda logits, row: sample(target_probs(logits, warpers), rng)),
                                       recorder)
             if recorder is not None:
-                recorder.write(sampling)
+                self._recorded(recorder.finish(sampling))
             if isinstance(prompt, (list, tuple)) and _kind(prompt[0]) == "text":
                 _warn_if_raw_text_ended_at_once(self.tokenizer, out.new_tokens, out.texts, eos_ids(config))
             return out
@@ -436,7 +447,7 @@ class SpeculativeGenerator:
         new_tokens, stats = speculative_decode(self.model, drafter, input_ids, max_new_tokens, accept, choose_root,
                                                eos_ids(config), streamer=streamer, forward=self.forward, timed=timed)
         if recorder is not None:
-            recorder.write(sampling)
+            self._recorded(recorder.finish(sampling))
         sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         if isinstance(prompt, str):

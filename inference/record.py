@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 
+from tokenmaxx.heads.config import lookback
 from tokenmaxx.heads.io import traffic
+
+PROMPT_KEPT = 1024  # the prompt's last positions a recording keeps: more than heads read by default (K + 1), so that
+# adapt can give them a longer prompt context (``HeadsConfig.prompt_context``)
 
 
 class Recording:
@@ -50,19 +54,20 @@ class Recording:
 
 
 class Recorder:
-    """Recording for one generate call into ``folder``: ``wrap`` each row's drafter, then ``write`` after the loop.
-    The folder is opened (and checked against what is recorded now) before anything is generated."""
+    """Recording for one generate call: ``wrap`` each row's drafter, then ``finish`` after the loop, which appends the
+    rows to ``folder`` (opened, and checked against what is recorded now, before anything is generated; None: the
+    rows are only returned, for online adaptation)."""
 
-    def __init__(self, folder: str | Path, model, heads):
+    def __init__(self, folder: str | Path | None, model, heads):
         if heads is None:
             raise ValueError("record= keeps the backbone states the heads read, for `tokenmaxx adapt`: it needs a "
                              "generator whose heads draft (draft='hybrid' or 'heads'); this one drafts without them")
         hidden = model.get_output_embeddings().weight.shape[1]
         layers = list(heads.feature_layers) if heads.feature_layers else None
-        self.lookback = heads.config.num_heads
+        self.lookback = max(lookback(heads.config), PROMPT_KEPT - 1)
         meta = traffic.store_meta(model, layers, hidden * (len(layers) if layers else 1),
                                   model.get_output_embeddings().weight.dtype, self.lookback)
-        self.folder = traffic.open_store(folder, meta)
+        self.folder = traffic.open_store(folder, meta) if folder is not None else None
         self.rows: list[Recording] = []
 
     def wrap(self, drafter) -> Recording:
@@ -70,6 +75,9 @@ class Recorder:
         self.rows.append(recording)
         return recording
 
-    def write(self, sampled: bool) -> Path | None:
-        """The rows as one new shard of the store (the path; None when nothing was recorded)."""
-        return traffic.append(self.folder, [r.row(sampled) for r in self.rows if r._ids])
+    def finish(self, sampled: bool) -> list[traffic.TrafficRow]:
+        """The call's rows, appended to the store as one new shard when there is one."""
+        rows = [r.row(sampled) for r in self.rows if r._ids]
+        if self.folder is not None:
+            traffic.append(self.folder, rows)
+        return rows

@@ -73,7 +73,8 @@ class BenchArgs:
                 "dynamic:nodes=N,topk=K,depth=D,min_mass=M or auto (MTP); a method ending in @fixed verifies its "
                 "whole tree every round (default: trees are cut per round to the nodes worth their verify time); "
                 "@usual: verifies compute the linear layers as the model does (default: as measured fastest on this "
-                "CPU for a few rows)"})
+                "CPU for a few rows); a last @record records the method's traffic (into OUT-traffic/<method>: what "
+                "recording costs)"})
     draft: str = field(default=DEFAULT_DRAFT, metadata={
         "help": "heads | lookup | hybrid: drafting of the tokenmaxx methods"})
     limit: int | None = field(default=None, metadata={
@@ -153,6 +154,7 @@ def tree_note(settings) -> dict | list | None:
 
 
 METHOD_FLAGS = ("@fixed", "@usual")
+RECORD_FLAG = "@record"  # last in a method's name: it records its traffic under OUT-traffic/<method>
 
 
 def tokenmaxx_method_spec(name: str, default_draft: str) -> tuple[str, str | None, str | None, bool, bool] | None:
@@ -189,11 +191,11 @@ def build_methods(args: BenchArgs, model, tokenizer, max_cache_len: int) -> tupl
             continue
         own = name.partition("@")[0].partition(":")[0]
         spec_of = {None: args.heads, "medusa": args.medusa_heads, "mtp": args.mtp_heads}
-        if own in named:  # drafted as tokenmaxx is, with the heads of that name
+        name_as = "tokenmaxx" + name[len(own):] if own in named else name  # named heads draft as tokenmaxx does
+        if own in named:
             spec_of[None] = named[own]
-            name_as = "tokenmaxx" + name[len(own):]
-        else:
-            name_as = name
+        record = name_as.endswith(RECORD_FLAG)  # the same method, recording its traffic (what recording costs)
+        name_as = name_as.removesuffix(RECORD_FLAG)
         if name.partition(":")[0] == COMPILED:
             backend = name.partition(":")[2] or "inductor"
             methods[name] = compiled_method(model, max_cache_len, backend=backend)
@@ -229,7 +231,9 @@ def build_methods(args: BenchArgs, model, tokenizer, max_cache_len: int) -> tupl
             notes[f"{name} tree"] = tree_note(gen.tree_settings)
             if gen.costs is not None and gen.costs.small_rows:
                 notes[f"{name} small rows"] = plan_record(gen.costs.small_rows)
-            methods[name] = tokenmaxx_method(gen)
+            if record and draft == "lookup":
+                raise ValueError(f"method {name!r}: recording keeps the states the heads read; lookup has no heads")
+            methods[name] = tokenmaxx_method(gen, record=f"{args.out}-traffic/{name}" if record else None)
         else:
             raise ValueError(f"unknown method {name!r}: expected baseline, compiled[:BACKEND], prompt_lookup, assisted, "
                              f"or one of {TOKENMAXX_METHODS} (optionally :<tree>, @fixed, @usual)")

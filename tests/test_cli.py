@@ -485,3 +485,47 @@ def test_ctrl_c_in_a_script_main_is_one_line_unless_debugging(capsys, monkeypatc
     assert run_script(train_heads.main, argv) == 130
     assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C): the checkpoints written so far are kept; "
                                                     "the same command with --resume goes on from the last")
+
+
+def test_generate_records_a_prompts_file_and_goes_on_where_it_stopped(tiny_folders, tmp_path, monkeypatch, capsys):
+    from tokenmaxx.heads.io import traffic
+
+    backbone, saved = tiny_folders
+    listed = tmp_path / "prompts.jsonl"
+    listed.write_text("".join(json.dumps({"prompt": f"a b c {i} a b c"}) + "\n" for i in range(5)))
+    args = ["--backbone", str(backbone), "--heads", str(saved), "--dtype", "float32", "--threads", "1",
+            "--max_new_tokens", "6", "--raw", "--adaptive_budget", "false", "--prompts_file", str(listed),
+            "--record", str(tmp_path / "traffic"), "--batch_size", "2"]
+    real = SpeculativeGenerator.generate
+    calls = []
+
+    def killed_at_the_third_call(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", killed_at_the_third_call)
+    with pytest.raises(KeyboardInterrupt):
+        generate.main(args)
+    assert len(traffic.TrafficReader(tmp_path / "traffic")) == 4  # two whole calls of two prompts
+    monkeypatch.setattr(SpeculativeGenerator, "generate", real)
+    capsys.readouterr()
+    generate.main(args)  # the same command: the fifth prompt only
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["recorded_now"] == 1 and report["prompts"] == 5
+    assert len(traffic.TrafficReader(tmp_path / "traffic")) == 5
+    listed.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match='line 1 has no "prompt" text'):
+        generate.main(args)
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--prompts_file", str(listed)])  # neither --compare nor --record
+
+
+def test_bench_names_more_heads_and_refuses_bad_names():
+    assert bench.named_heads("adapted=runs/a/heads, b=x") == {"adapted": "runs/a/heads", "b": "x"}
+    assert bench.named_heads(None) == {}
+    for bad, message in [("adapted", "expected NAME=PATH"), ("hybrid=x", "is a built-in method's"),
+                         ("a-b=x", "expected NAME=PATH")]:
+        with pytest.raises(ValueError, match=message):
+            bench.named_heads(bad)

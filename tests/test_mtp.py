@@ -324,3 +324,28 @@ def test_tree_kinds_must_match_head_kinds(model):
         SpeculativeGenerator(model, random_mtp(model), tree="chain:3", draft="heads")
     with pytest.raises(ValueError, match="nodes"):
         SpeculativeGenerator(model, random_mtp(model), tree="dynamic:0", draft="heads")
+
+
+@pytest.mark.parametrize("make", [random_mtp, random_eagle3], ids=["mtp", "eagle3"])
+def test_prompt_context_sets_what_the_module_reads_of_the_prompt_in_drafting_and_training(make, tmp_path):
+    from tokenmaxx.heads.config import lookback
+    from tokenmaxx.heads.drafting import Prefill
+    from tokenmaxx.training.batches import Example, SelfDistilledData, collate
+
+    model = tiny_model("llama")
+    heads = make(model)  # 3 depths: by default the module reads the prompt's last 4 positions
+    ids = torch.randint(3, 96, (20,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = backbone_features(model(ids[None], output_hidden_states=True).hidden_states, heads.feature_layers)[0]
+    data = SelfDistilledData({0: Example(0, torch.cat([ids, ids[:6]]), 20)}, [0], [], {}, "x", 1, 0)
+    for context, read in [(None, 4), (12, 12), (64, 20)]:
+        heads.config.prompt_context = context
+        drafter = heads.drafter(model)
+        drafter.start(Prefill(input_ids=ids, hidden=hidden, root=7))
+        assert drafter.length == read  # module cache entries after the prompt
+        assert collate(data, [0], lookback(heads.config)).starts == [20 - read]  # the training window: the same
+    heads.save_pretrained(tmp_path)
+    assert load_heads(str(tmp_path)).config.prompt_context == 64
+    assert_matches_greedy(SpeculativeGenerator(model, heads, draft="heads", costs=None), model, n=3, seed=4)
+    with pytest.raises(ValueError, match=r"prompt_context must be None or an integer >= num_heads \+ 1 = 4"):
+        HeadsConfig(kind="mtp", num_heads=3, hidden_size=32, vocab_size=96, prompt_context=3)

@@ -12,7 +12,7 @@ from helpers import random_eagle3, random_mtp, repeating_prompts, tiny_model
 
 from tokenmaxx.heads.io import traffic
 from tokenmaxx.heads.modeling import backbone_features
-from tokenmaxx.inference import SpeculativeGenerator
+from tokenmaxx.inference import SpeculativeGenerator, record
 
 
 def _prompts(model, n=4, seed=5):
@@ -26,7 +26,7 @@ def _check_store(folder, model, heads, expected: list[tuple[list[int], list[int]
     assert len(reader) == len(expected)
     for i, (prompt, new) in enumerate(expected):
         full = torch.tensor([prompt + new])
-        keep = max(0, len(prompt) - 1 - heads.config.num_heads)
+        keep = max(0, len(prompt) - record.PROMPT_KEPT)  # the prompt's last PROMPT_KEPT positions
         assert reader.ids(i).tolist() == (prompt + new)[keep:]
         assert reader.prompt_len(i) == len(prompt) - keep
         with torch.no_grad():
@@ -36,7 +36,8 @@ def _check_store(folder, model, heads, expected: list[tuple[list[int], list[int]
 
 
 @pytest.mark.parametrize("kind,draft", [("eagle3", "hybrid"), ("eagle3", "heads"), ("mtp", "hybrid")])
-def test_recording_changes_no_output_and_stores_the_backbones_states(tmp_path, kind, draft):
+def test_recording_changes_no_output_and_stores_the_backbones_states(tmp_path, kind, draft, monkeypatch):
+    monkeypatch.setattr(record, "PROMPT_KEPT", 6)  # shorter than some prompts: their heads are cut
     model = tiny_model("llama", seed=1)
     heads = random_eagle3(model, scale=0.05) if kind == "eagle3" else random_mtp(model, scale=0.05)
     gen = SpeculativeGenerator(model, heads, draft=draft, costs=None)
@@ -133,7 +134,8 @@ def _mean_tau(gen, prompts, new=24) -> float:
 
 
 @pytest.mark.slow
-def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backbone_dir, data_dir):
+@pytest.mark.parametrize("prompt_context", [None, 16])  # the heads' own (4 positions), or every prompt position
+def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backbone_dir, data_dir, prompt_context):
     from tokenmaxx.heads import load_backbone, load_heads
     from tokenmaxx.training.adapt import AdaptConfig, adapt
 
@@ -150,7 +152,7 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
     report = adapt(AdaptConfig(heads=str(tmp_path / "heads"), traffic=str(tmp_path / "traffic"),
                                output_dir=str(tmp_path / "run"), replay=str(data_dir), replay_share=0.25,
                                replay_eval=8, dtype="float32", max_steps=80, lr=1e-2, warmup=2, micro_batch_size=8,
-                               seq_len=48, save_every=20, held_out=0.2))
+                               seq_len=48, save_every=20, held_out=0.2, prompt_context=prompt_context))
     assert report["shipped"], report
     assert report["after"]["traffic"]["tree_tau_empirical"] > report["before"]["traffic"]["tree_tau_empirical"]
     assert set(report["before"]) == {"traffic", "replay"} and report["rows"]["replay_train"] > 0
@@ -159,7 +161,66 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
     assert after > before + 0.2, (before, after, report)
     for p in others[:3]:  # still the backbone's own output
         assert adapted.generate(p, max_new_tokens=24).new_tokens == served.generate(p, max_new_tokens=24).new_tokens
+    assert load_heads(str(tmp_path / "run" / "heads")).config.prompt_context == prompt_context
     extra = load_heads(str(tmp_path / "run" / "heads")).config.extra
     assert extra["metrics_before"] == json.loads((tmp_path / "run" / "metrics_before.json").read_text())
     assert torch.equal(load_heads(str(tmp_path / "run" / "heads")).draft_vocab, heads.draft_vocab) \
         if heads.draft_vocab is not None else load_heads(str(tmp_path / "run" / "heads")).draft_vocab is None
+
+
+# ---- online adaptation -----------------------------------------------------------------------------------------------
+def test_online_adaptation_changes_the_heads_and_never_the_output():
+    from tokenmaxx.inference import OnlineAdapt
+
+    model = tiny_model("llama", seed=1)
+    plain = SpeculativeGenerator(model, random_eagle3(model, seed=4, scale=0.3), draft="heads", costs=None)
+    heads = random_eagle3(model, seed=4, scale=0.3)
+    start = {k: v.clone() for k, v in heads.state_dict().items()}
+    online = SpeculativeGenerator(model, heads, draft="heads", costs=None,
+                                  online=OnlineAdapt(every=64, steps=8, lr=1e-2, batch_rows=4, buffer_rows=6))
+    vocab = model.config.vocab_size
+    prompts, others = _kind_a(vocab, 24, seed=0), _kind_a(vocab, 6, seed=1)
+    before = _mean_tau(plain, others)  # the same weights, not adapting
+    for first in range(0, len(prompts), 4):  # batches and single prompts alike
+        rows = prompts[first: first + 4]
+        assert online.generate(rows, max_new_tokens=24).new_tokens == \
+            plain.generate(rows, max_new_tokens=24).new_tokens
+        assert online.generate(rows[0], max_new_tokens=24).new_tokens == \
+            plain.generate(rows[0], max_new_tokens=24).new_tokens
+    learner = online.online
+    assert learner.updates >= 5 and len(learner.buffer) == 6 and learner.seen_rows == 30
+    assert any(not torch.equal(start[k], v) for k, v in heads.state_dict().items() if k != "draft_vocab")
+    adapted = SpeculativeGenerator(model, heads, draft="heads", costs=None)  # the adapted weights, frozen
+    assert _mean_tau(adapted, others) > before + 0.1
+    with pytest.raises(ValueError, match="online adaptation trains the heads on what they serve"):
+        SpeculativeGenerator(model, None, draft="lookup", costs=None, online=OnlineAdapt())
+    with pytest.raises(ValueError, match="OnlineAdapt.every must be a positive integer"):
+        OnlineAdapt(every=0)
+
+
+def test_adapt_refuses_traffic_it_cannot_use_before_any_training(tmp_path, backbone_dir):
+    from tokenmaxx.heads import load_backbone
+    from tokenmaxx.training.adapt import AdaptConfig, adapt
+
+    model, _ = load_backbone(str(backbone_dir), dtype="float32")
+    random_eagle3(model).save_pretrained(tmp_path / "served")
+    random_eagle3(model, feature_layers=(1, 2, 0)).save_pretrained(tmp_path / "other")
+    gen = SpeculativeGenerator(model, random_eagle3(model), costs=None)
+    for prompt in _kind_a(model.config.vocab_size, 3, seed=0):
+        gen.generate(prompt, max_new_tokens=8, record=tmp_path / "traffic")
+
+    def run(**kw):
+        return adapt(AdaptConfig(**{"heads": str(tmp_path / "served"), "traffic": str(tmp_path / "traffic"),
+                                    "output_dir": str(tmp_path / "run"), "dtype": "float32", **kw}))
+
+    with pytest.raises(ValueError, match=r"not recorded for these heads \(feature_layers: recorded \[0, 1, 2\]"):
+        run(heads=str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="lookback: recorded 1023 prompt positions, --prompt_context needs >= 1999"):
+        run(prompt_context=2000)
+    with pytest.raises(ValueError, match="holds 3 usable rows .* too few to adapt and score"):
+        run(held_out=0.01)
+    with pytest.raises(FileNotFoundError, match="no such folder; expected a folder written by generate"):
+        run(traffic=str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="--held_out must be in"):
+        AdaptConfig(heads="h", traffic="t", output_dir="o", held_out=1.0)
+    assert not (tmp_path / "run").exists()  # nothing was written

@@ -13,7 +13,8 @@ training data so that what they knew is kept, and ships the result only if it sc
 3. train      cross-entropy on the backbone's tokens (greedy traffic: its argmax), from the heads' weights, over their
               draft vocabulary; the init heads scored first on the held-out rows by the same computation
 4. ship       the candidate becomes OUT/heads when its held-out traffic tau (``tree_tau_empirical``) beats the init
-              heads' by ``--min_gain``; otherwise it is removed and the report says why. OUT/adapt.json: before and
+              heads' as they serve (their own prompt context) by ``--min_gain``; otherwise it is removed and the
+              report says why. OUT/adapt.json: before and
               after, per category ("traffic", "replay"), and the run's speed.
 """
 
@@ -30,12 +31,12 @@ from pathlib import Path
 import torch
 
 from tokenmaxx.heads import load_backbone, load_heads
-from tokenmaxx.heads.config import backbone_identity
+from tokenmaxx.heads.config import backbone_identity, lookback
 from tokenmaxx.heads.io import traffic as traffic_store
 
-from .batches import Example, SelfDistilledData, load_data, trained_parts
+from .batches import Example, SelfDistilledData, load_data, window_start
 from .checkpoints import atomic_write_text
-from .evaluation import recorded_split, recorded_training
+from .evaluation import evaluate_heads, recorded_split, recorded_training
 from .features import FeatureCache, _pad_windows
 from .train_config import DTYPES, TrainConfig, default_threads
 from .trainer import TrainSource, train
@@ -55,11 +56,14 @@ class AdaptConfig:
         "help": "self-distilled dataset the heads were trained on (e.g. distilled/smollm2-mix): a sample of it is "
                 "mixed in so that what the heads knew is kept, and its held-out rows are scored before and after"})
     replay_share: float = field(default=0.5, metadata={
-        "help": "replay rows per traffic training row (0.5: one replay row to two of traffic)"})
+        "help": "replay answer tokens per traffic answer token trained on (0.5: one to two)"})
     replay_eval: int = field(default=64, metadata={"help": "held-out replay rows scored before and after"})
     held_out: float = field(default=0.1, metadata={"help": "share of the traffic rows held out for the score"})
     min_gain: float = field(default=0.0, metadata={
         "help": "ship only if held-out traffic tau rises by more than this"})
+    prompt_context: int | None = field(default=None, metadata={
+        "help": "the prompt's last positions the adapted heads read before the answer (HeadsConfig.prompt_context); "
+                "default: the heads' own"})
     backbone: str | None = field(default=None, metadata={"help": "backbone; default: the one the heads name"})
     dtype: str = field(default="auto", metadata={"help": f"one of {DTYPES}"})
     device: str = field(default="auto", metadata={"help": "cpu | cuda[:N] | auto"})
@@ -95,8 +99,10 @@ class RecordedFeatures:
     def __init__(self, reader: traffic_store.TrafficReader):
         self.reader = reader
 
-    def window(self, i: int, start: int) -> torch.Tensor:
-        states = self.reader.features(i, start)
+    def window(self, key: tuple[int, int], start: int) -> torch.Tensor:
+        """key: (recorded row, the positions its example skips at the start of the recorded prompt)."""
+        i, skip = key
+        states = self.reader.features(i, skip + start)
         return torch.cat([states, states.new_zeros(1, states.shape[1])])
 
 
@@ -115,14 +121,16 @@ class MixedFeatures:
         return _pad_windows(windows, batch.input_ids.shape[1]).to(self.device)
 
 
-def check_traffic(meta: dict, heads, model, folder) -> None:
-    """The recording was made by these heads' kind of features on this backbone (one error naming each field)."""
+def check_traffic(meta: dict, heads, model, folder, context: int) -> None:
+    """The recording was made by these heads' kind of features on this backbone and keeps the prompt positions a
+    ``context`` lookback reads (one error naming each field)."""
     ident, revision = backbone_identity(model)
     layers = list(heads.config.feature_layers) if heads.config.feature_layers else None
     wanted = {"backbone": ident, "backbone_revision": revision, "feature_layers": layers}
     differ = [f"{k}: recorded {meta.get(k)!r}, these heads need {v!r}" for k, v in wanted.items() if meta.get(k) != v]
-    if meta.get("lookback", 0) < heads.config.num_heads:
-        differ.append(f"lookback: recorded {meta.get('lookback')!r}, these heads need >= {heads.config.num_heads}")
+    if meta.get("lookback", 0) < context:
+        differ.append(f"lookback: recorded {meta.get('lookback')!r} prompt positions, --prompt_context needs >= "
+                      f"{context}")
     if differ:
         raise ValueError(f"--traffic {folder} was not recorded for these heads ({'; '.join(differ)}): record with "
                          "them (generate(..., record=FOLDER) with these heads on this backbone)")
@@ -134,18 +142,19 @@ def held_out_row(ids: torch.Tensor, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
-def traffic_examples(reader, seq_len: int, share: float) -> tuple[list[Example], list[bool], list[int]]:
-    """Examples of the recorded rows (run rows 0..n-1; ids cut to ``seq_len``), whether each is held out, and the
-    reader's row of each."""
-    examples, held, rows = [], [], []
+def traffic_examples(reader, seq_len: int, share: float, context: int) -> tuple[list[Example], list[bool], list]:
+    """Examples of the recorded rows (run rows 0..n-1): the prompt's last ``context`` + 1 positions and the answer,
+    cut to ``seq_len``; whether each is held out; and where each one's features are (``RecordedFeatures`` keys)."""
+    examples, held, keys = [], [], []
     for i in range(len(reader)):
         ids, prompt_len = reader.ids(i), reader.prompt_len(i)
-        if prompt_len >= min(len(ids), seq_len):  # no answer token inside seq_len
+        skip = window_start(prompt_len, context)
+        if prompt_len - skip >= min(len(ids) - skip, seq_len):  # no answer token inside seq_len
             continue
-        examples.append(Example(len(examples), ids[:seq_len].clone(), prompt_len, TRAFFIC))
+        examples.append(Example(len(examples), ids[skip: skip + seq_len].clone(), prompt_len - skip, TRAFFIC))
         held.append(held_out_row(ids, share))
-        rows.append(i)
-    return examples, held, rows
+        keys.append((i, skip))
+    return examples, held, keys
 
 
 def adapt(cfg: AdaptConfig) -> dict:
@@ -157,15 +166,17 @@ def adapt(cfg: AdaptConfig) -> dict:
     model.requires_grad_(False)
     torch.set_num_threads(cfg.threads)
     reader = traffic_store.TrafficReader(cfg.traffic)
-    check_traffic(reader.meta, heads, model, cfg.traffic)
-    examples, held, rows = traffic_examples(reader, cfg.seq_len, cfg.held_out)
+    prompt_context = cfg.prompt_context or heads.config.prompt_context
+    context = lookback(dataclasses.replace(heads.config, prompt_context=prompt_context))  # what the run's windows hold
+    check_traffic(reader.meta, heads, model, cfg.traffic, context)
+    examples, held, keys = traffic_examples(reader, cfg.seq_len, cfg.held_out, context)
     train_rows = [e.row for e, h in zip(examples, held) if not h]
     eval_rows = [e.row for e, h in zip(examples, held) if h]
     if not train_rows or not eval_rows:
         raise ValueError(f"--traffic {cfg.traffic} holds {len(examples)} usable rows ({len(eval_rows)} held out): too "
                          "few to adapt and score; record more generations")
     recorded = RecordedFeatures(reader)
-    where = {e.row: (recorded, i) for e, i in zip(examples, rows)}
+    where = {e.row: (recorded, key) for e, key in zip(examples, keys)}
     all_examples = {e.row: e for e in examples}
     digest = hashlib.sha256()
     for path in traffic_store.shards(cfg.traffic):
@@ -178,18 +189,26 @@ def adapt(cfg: AdaptConfig) -> dict:
         # the split the heads' own run made (its held-out rows are scored; none of them is trained on)
         split = {"seq_len": cfg.seq_len, "eval_fraction": 0.05, "eval_max_examples": 256, "seed": cfg.seed,
                  **recorded_split(heads.config)}
+        started = ((heads.config.extra or {}).get("init_heads") or {}).get("seen_parts") or ()  # as their run did
         replay = load_data(cfg.replay, split["seq_len"], split["eval_fraction"], split["eval_max_examples"],
-                           split["seed"], seen_parts=trained_parts(heads.config))
+                           split["seed"], seen_parts=started)
         gen = torch.Generator().manual_seed(cfg.seed)
-        want = min(len(replay.train), round(cfg.replay_share * len(train_rows)))
-        picked = sorted(replay.train[i] for i in torch.randperm(len(replay.train), generator=gen)[:want].tolist())
+        want = cfg.replay_share * sum(len(all_examples[r].ids) - all_examples[r].prompt_len for r in train_rows)
+        picked, answers = [], 0
+        for i in torch.randperm(len(replay.train), generator=gen).tolist():  # until the answer tokens are enough
+            if answers >= want:
+                break
+            e = replay.examples[replay.train[i]]
+            picked.append(replay.train[i])
+            answers += len(e.ids) - e.prompt_len
+        picked.sort()
         scored = sorted(replay.eval[i] for i in torch.randperm(len(replay.eval), generator=gen)[:cfg.replay_eval]
                         .tolist())
         subset = dataclasses.replace(replay, examples={r: replay.examples[r] for r in picked + scored},
                                      train=picked, eval=scored)
-        key = hashlib.sha256(json.dumps([replay.fingerprint, picked, scored]).encode()).hexdigest()[:12]
-        cache = FeatureCache.build_or_open(out / f"replay-features-{key}", model, subset, cfg.seq_len,
-                                           heads.config.num_heads, layers=heads.feature_layers)
+        key = hashlib.sha256(json.dumps([replay.fingerprint, picked, scored, context]).encode()).hexdigest()[:12]
+        cache = FeatureCache.build_or_open(out / f"replay-features-{key}", model, subset, cfg.seq_len, context,
+                                           layers=heads.feature_layers)
         base = len(examples)
         for i, r in enumerate(picked + scored):
             e = replay.examples[r]
@@ -202,7 +221,7 @@ def adapt(cfg: AdaptConfig) -> dict:
                                 "held_out_rows": len(scored)}
     data = SelfDistilledData(examples=all_examples, train=train_rows, eval=eval_rows, provenance=provenance,
                              fingerprint=digest.hexdigest(), num_rows=len(all_examples),
-                             dropped=len(reader) - len(rows))
+                             dropped=len(reader) - len(keys))
     weight = model.get_output_embeddings().weight
     features = MixedFeatures(where, weight.device, weight.dtype)
     vocab = heads.draft_vocab.cpu() if heads.draft_vocab is not None else None
@@ -214,13 +233,16 @@ def adapt(cfg: AdaptConfig) -> dict:
         threads=cfg.threads, kind=heads.config.kind, num_heads=heads.config.num_heads,
         num_layers=heads.config.num_layers, share_lm_head=heads.config.share_lm_head,
         feature_layers=list(heads.config.feature_layers) if heads.config.feature_layers else None,
-        init_heads=cfg.heads, draft_vocab_size=int(vocab.numel()) if vocab is not None else None,
+        init_heads=cfg.heads, prompt_context=prompt_context,
+        draft_vocab_size=int(vocab.numel()) if vocab is not None else None,
         loss="ce", loss_vocab=loss_vocab, head_decay=training.get("head_decay", 0.8), max_steps=cfg.max_steps,
         lr=cfg.lr, warmup=min(cfg.warmup, cfg.max_steps), micro_batch_size=cfg.micro_batch_size,
         grad_accum=cfg.grad_accum, save_every=cfg.save_every, resume=cfg.resume, eval_fraction=cfg.held_out,
         eval_max_examples=len(eval_rows))
+    # the heads as they serve now (their own prompt context), scored on the held-out rows: what adapting must beat
+    served = evaluate_heads(heads, model, data, micro_batch_size=cfg.micro_batch_size, features=features)
     result = train(train_cfg, model=model, source=TrainSource(data, features, vocab))
-    report = _report(cfg, result, data)
+    report = _report(cfg, served, result, data)
     shipped = out / "heads"
     if report["shipped"]:
         if shipped.exists():
@@ -239,8 +261,8 @@ def _scores(metrics: dict) -> dict:
     return {c: {SCORE: m.get(SCORE), "head1_top1": (m.get("head_top1") or [None])[0]} for c, m in groups.items()}
 
 
-def _report(cfg: AdaptConfig, result, data: SelfDistilledData) -> dict:
-    before, after = _scores(result.metrics_before), _scores(result.metrics)
+def _report(cfg: AdaptConfig, served: dict, result, data: SelfDistilledData) -> dict:
+    before, after = _scores(served), _scores(result.metrics)
     gain = after[TRAFFIC][SCORE] - before[TRAFFIC][SCORE]
     shipped = gain > cfg.min_gain
     why = (f"held-out traffic tau {before[TRAFFIC][SCORE]:.4f} -> {after[TRAFFIC][SCORE]:.4f}"

@@ -28,13 +28,14 @@ VOCABS = ("auto", "draft", "full")
 def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split: str = "held_out",
                    vocab: str = "auto", seq_len: int = 512, eval_fraction: float = 0.05, eval_max_examples: int = 256,
                    seed: int = 0, micro_batch_size: int = 4, by_category: bool = True,
-                   seen_parts: Collection[str] = ()) -> dict:
+                   seen_parts: Collection[str] = (), features=None) -> dict:
     """Metrics of ``heads`` on ``model`` (the frozen backbone they were made for) over ``data``'s rows.
 
     split: 'held_out' (a run's held-out rows, given the same split arguments) or 'all'. vocab: 'draft' ranks over the
     heads' draft vocabulary (what drafting ranks, less each prompt's own tokens; a target outside it is a miss),
     'full' over every token, 'auto' = 'draft' when the heads have one. seen_parts: as ``load_data``'s (the split of a
-    run with --init_heads: ``trained_parts`` of those heads). Returns the trainer's held-out record
+    run with --init_heads: ``trained_parts`` of those heads). features: where the rows' backbone states come from
+    (``hidden(batch)``; None: a backbone forward per batch). Returns the trainer's held-out record
     (``metrics.evaluate``) plus ``examples``, ``split``, ``vocab`` and ``by_category`` {category: record}.
     """
     if split not in SPLITS:
@@ -63,7 +64,8 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
     objective = HeadsObjective(heads, training.get("loss", "ce"), training.get("head_decay", 0.8),
                                vocab=draft if loss_over_draft else None)
     rank_vocab = draft if vocab == "draft" and not loss_over_draft else None
-    features = BackboneFeatures(model, data, objective.feature_layers(final_state_index(model)))
+    if features is None:
+        features = BackboneFeatures(model, data, objective.feature_layers(final_state_index(model)))
     tree = scoring_tree(heads)
 
     def run(selected: list[int]) -> dict:

@@ -21,6 +21,8 @@ import torch
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.heads.tree import TYPICAL_RANK_ACCURACY, Tree, sparse_tree
 
+from tokenmaxx.heads.config import lookback
+
 from .batches import SelfDistilledData, collate, eval_micro_batches
 from .checkpoints import atomic_write_text
 from .losses import logits_cross_entropy
@@ -139,7 +141,7 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
     was_training = objective.training
     objective.eval()
     for batch_rows in eval_micro_batches(data.eval if rows is None else rows, rank, world, micro_batch_size):
-        batch = collate(data, batch_rows, num_heads).to(device)
+        batch = collate(data, batch_rows, lookback(objective.heads.config)).to(device)
         hidden = features.hidden(batch)  # [B, W, H]
         sel = objective.select(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head)
         logits = objective.head_logits(hidden, batch.input_ids, sel.selected, lm_head, embed)  # [K, n, V]

@@ -106,6 +106,9 @@ class TrainConfig:
                 "is kept. Where --data shares parts with their training data (by the parts' provenance), held-out "
                 "rows come only from the other parts (--eval_fraction of them) and copy no row of a shared part; a validation "
                 "split in --data is used as it is"})
+    prompt_context: int | None = field(default=None, metadata={
+        "help": "sequential kinds: the prompt's last positions the module reads before the answer, in training and "
+                "drafting (recorded in the heads); default: the --init_heads' setting, else num_heads + 1"})
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "give the exported heads a draft vocabulary: the N most frequent tokens of the training sequences "
                 "(drafting then projects onto those + the prompt's tokens: much cheaper guesses); unset = all tokens"})
@@ -194,6 +197,9 @@ class TrainConfig:
                                  f"--kind {self.kind} drafts the static tree of its config")
             if self.dynamic_tree != "default":
                 DynamicTreeConfig.parse(self.dynamic_tree)  # one error naming the bad spec and the expected forms
+        if self.prompt_context is not None and self.prompt_context < self.num_heads + 1:
+            raise ValueError(f"--prompt_context must be >= num_heads + 1 = {self.num_heads + 1} (every depth's target "
+                             f"needs that many prompt positions), got {self.prompt_context}")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
         if self.loss_vocab not in LOSS_VOCABS:

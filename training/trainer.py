@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmaxx.heads import HEAD_KINDS, DynamicTreeConfig, HeadsConfig, backbone_identity, load_backbone, load_heads
+from tokenmaxx.heads.config import lookback
 from tokenmaxx.heads.machine import clock, cpu_info, device_name
 from tokenmaxx.heads.sequential import SequentialHeads
 
@@ -247,9 +248,10 @@ def step_norm(objective, batches: list, lm_head, world: int = 1) -> torch.Tensor
 
 
 def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list[int]], lm_head, embed,
-             num_heads: int, world: int = 1) -> tuple[torch.Tensor, float, float]:
+             num_heads: int, world: int = 1, context: int | None = None) -> tuple[torch.Tensor, float, float]:
     """One optimizer step over ``grad_accum`` micro-batches (``lm_head``, ``embed``: the frozen backbone's; ``world``
-    processes).
+    processes; ``context``: the prompt positions before the last that a window holds, ``config.lookback`` of the
+    heads; None: ``num_heads``).
 
     Returns (sums [1 + len(STATS) * K + 1]: loss sum, per-head stats, trained positions; this rank's), feature
     seconds (backbone forward or cache read), total seconds.
@@ -258,7 +260,7 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
     start = clock(device)
     steps_before, feature_s = engine.global_steps, 0.0
     sums = torch.zeros(2 + len(STATS) * num_heads, dtype=torch.float64, device=device)  # read once, by step_record
-    batches = [collate(data, rows, num_heads).to(device) for rows in micro_batches]
+    batches = [collate(data, rows, num_heads if context is None else context).to(device) for rows in micro_batches]
     norm = step_norm(engine.module, batches, lm_head, world)
     for batch in batches:
         t0 = clock(device)
@@ -325,10 +327,13 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
     torch.manual_seed(cfg.seed)  # 5. heads (identical on every rank; DeepSpeed also broadcasts rank 0's)
     layers = cfg.feature_layers or (init.config.feature_layers if init is not None else None)
     settings = {"feature_layers": list(layers)} if layers else {}
+    if cfg.prompt_context or (init is not None and init.config.prompt_context):
+        settings["prompt_context"] = cfg.prompt_context or init.config.prompt_context
     heads = HEAD_KINDS[cfg.kind].for_backbone(model, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                               share_lm_head=cfg.share_lm_head, **settings, **serving_tree(cfg, init))
     if init is not None:
         start_from(heads, init, model)
+    context = lookback(heads.config)  # the prompt positions a window holds before the last (the drafter reads them)
     tree = scoring_tree(heads)  # the held-out tau's tree: the serving tree, or one of its node budget
     if source is not None and source.vocab is not None:
         vocab, vocab_record = source.vocab, {"size": int(source.vocab.numel()), "from": "init_heads"}
@@ -349,7 +354,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
     if source is not None:  # 6. features
         features = source.features
     elif cfg.feature_cache:
-        features = FeatureCache.build_or_open(cfg.feature_cache, model, data, cfg.seq_len, cfg.num_heads,
+        features = FeatureCache.build_or_open(cfg.feature_cache, model, data, cfg.seq_len, context,
                                               rank=rank, world=world, barrier=_barrier, layers=read,
                                               store_layers=cfg.feature_cache_layers)
     else:
@@ -373,7 +378,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
     per_epoch = steps_per_epoch(len(data.train), world, cfg.micro_batch_size, cfg.grad_accum)
     order = step_micro_batches(data.train, step, per_epoch, cfg.grad_accum, cfg.seed, rank, world,
                                cfg.micro_batch_size,
-                               data.window_lengths(cfg.num_heads) if cfg.group_by_length else None)
+                               data.window_lengths(context) if cfg.group_by_length else None)
     result = TrainResult(export_dir=cfg.heads_export_dir, steps=step)
     positions = seconds = 0.0
     if source is not None:  # the init heads' score, once per run (a resumed run reads it back)
@@ -396,7 +401,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
     while step < cfg.max_steps:
         lr = engine.get_lr()[0]  # this step's learning rate (the scheduler moves on inside the step)
         sums, feature_s, step_s = run_step(engine, features, data, next(order), lm_head, embed, cfg.num_heads,
-                                           world)
+                                           world, context)
         step += 1
         sums = _reduced(sums) if world > 1 else sums
         step_s = float(_reduced(torch.tensor([step_s]))[0]) / world if world > 1 else step_s

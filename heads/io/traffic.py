@@ -15,8 +15,8 @@ process leaves only whole shards, and several processes may record into one fold
                                           last, whose state no forward computed), sampled [n] (1: the row's tokens
                                           were sampled, not greedy)
 
-A row keeps the prompt's last ``lookback + 1`` tokens (what training reads before the answer: ``window_start``), so a
-long prompt costs no more than a short one.
+A row keeps the prompt's last ``lookback + 1`` tokens (training reads at most that much before the answer:
+``window_start``), so a long prompt costs no more than that.
 """
 
 from __future__ import annotations
