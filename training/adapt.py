@@ -53,8 +53,9 @@ class AdaptConfig:
     output_dir: str = field(metadata={"help": "run folder: checkpoints/, metrics.jsonl, adapt.json, and heads/ when "
                                               "the adapted heads win"})
     replay: str | None = field(default=None, metadata={
-        "help": "self-distilled dataset the heads were trained on (e.g. distilled/smollm2-mix): a sample of it is "
-                "mixed in so that what the heads knew is kept, and its held-out rows are scored before and after"})
+        "help": "self-distilled dataset the heads were trained on (the shipped heads': `python scripts/merge_data.py "
+                "distilled/smollm2-mix/part-* --output_dir data/mix`): a sample of it is mixed in so that what the "
+                "heads knew is kept, and its held-out rows are scored before and after"})
     replay_share: float = field(default=0.5, metadata={
         "help": "replay answer tokens per traffic answer token trained on (0.5: one to two)"})
     replay_eval: int = field(default=64, metadata={"help": "held-out replay rows scored before and after"})

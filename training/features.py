@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from tokenmaxx.heads.io.loading import write_atomic
 from tokenmaxx.heads.modeling import backbone_features
 
 from .batches import Batch, SelfDistilledData, window_start
@@ -90,16 +90,6 @@ def cache_meta(model, data: SelfDistilledData, seq_len: int, lookback: int, shar
             "hidden_size": hidden * (len(layers) if layers else 1), "seq_len": seq_len, "lookback": lookback,
             "feature_layers": list(layers) if layers else None,
             "data_fingerprint": data.fingerprint, "num_rows": data.num_rows, "shard_size": shard_size}
-
-
-def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def final_state_index(model) -> int:
@@ -198,7 +188,7 @@ class FeatureCache:
             _check_meta(json.loads(meta_path.read_text()), wanted, folder, layers, final)
         elif rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            _write_atomic(meta_path, lambda p: Path(p).write_text(json.dumps(wanted, indent=2) + "\n"))
+            write_atomic(meta_path, lambda p: Path(p).write_text(json.dumps(wanted, indent=2) + "\n"))
         barrier()
         # the cache's own (maybe longer) lookback and shard size; windows are delivered on the backbone's device
         meta = json.loads(meta_path.read_text())
@@ -229,7 +219,7 @@ class FeatureCache:
                                    dtype=torch.long),
             "offsets": torch.tensor([0] + [len(windows[r]) for r in rows], dtype=torch.long).cumsum(0),
         }
-        _write_atomic(self._shard_path(shard), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        write_atomic(self._shard_path(shard), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
 
     # ---- read -----------------------------------------------------------------------------------------------------
     def _handle(self, shard: int):

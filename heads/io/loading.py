@@ -81,3 +81,15 @@ def is_repo_id(spec: str) -> bool:
     with contextlib.suppress(ValueError):
         return isinstance(spec, str) and spec.count("/") == 1 and check_repo_id(spec) == spec
     return False
+
+
+def write_atomic(path: Path, write) -> None:
+    """``write(temp_path)`` then rename it to ``path``: a killed process leaves the old file or none, never half of
+    one (the temp file is removed when ``write`` fails)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

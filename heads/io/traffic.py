@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .loading import write_atomic
+
 META = "meta.json"
 FORMAT = 1
 PREFIX, SUFFIX = "traffic-", ".safetensors"
@@ -94,7 +96,7 @@ def open_store(folder: str | Path, meta: dict) -> Path:
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"traffic folder {folder} is a file")
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic(folder / META, lambda p: Path(p).write_text(json.dumps(meta, indent=2) + "\n"))
+    write_atomic(folder / META, lambda p: Path(p).write_text(json.dumps(meta, indent=2) + "\n"))
     return folder
 
 
@@ -108,7 +110,7 @@ def append(folder: str | Path, rows: list[TrafficRow]) -> Path | None:
                "features": torch.cat([r.features.to("cpu") for r in rows]).contiguous(),
                "sampled": torch.tensor([int(r.sampled) for r in rows])}
     path = Path(folder) / f"{PREFIX}{time.time_ns():020d}-{os.getpid()}{SUFFIX}"
-    _atomic(path, lambda p: save_file(tensors, p, metadata={"format": str(FORMAT)}))
+    write_atomic(path, lambda p: save_file(tensors, p, metadata={"format": str(FORMAT)}))
     return path
 
 
@@ -155,13 +157,3 @@ class TrafficReader:
         """Row i's features from position ``start`` on: [T - 1 - start, F]."""
         path, begin, end, _, _, first = self.index[i]
         return self._handle(path).get_slice("features")[first + start: first + end - begin - 1]
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
