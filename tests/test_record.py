@@ -149,8 +149,14 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
         served.generate(rows[first: first + 8], max_new_tokens=24, record=tmp_path / "traffic")
     others = _kind_a(vocab, 8, seed=1)  # prompts of the same kind, never recorded
     before = _mean_tau(served, others)
+    replay = data_dir
+    if prompt_context:  # a folder of make-data parts (as distilled/ keeps the shipped heads' data): merged first
+        import shutil
+
+        replay = tmp_path / "parts"
+        shutil.copytree(data_dir, replay / "part-000")
     report = adapt(AdaptConfig(heads=str(tmp_path / "heads"), traffic=str(tmp_path / "traffic"),
-                               output_dir=str(tmp_path / "run"), replay=str(data_dir), replay_share=0.25,
+                               output_dir=str(tmp_path / "run"), replay=str(replay), replay_share=0.25,
                                replay_eval=8, dtype="float32", max_steps=80, lr=1e-2, warmup=2, micro_batch_size=8,
                                seq_len=48, save_every=20, held_out=0.2, prompt_context=prompt_context))
     assert report["shipped"], report
@@ -162,6 +168,7 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
     for p in others[:3]:  # still the backbone's own output
         assert adapted.generate(p, max_new_tokens=24).new_tokens == served.generate(p, max_new_tokens=24).new_tokens
     assert load_heads(str(tmp_path / "run" / "heads")).config.prompt_context == prompt_context
+    assert (tmp_path / "run" / "replay-data" / "state.json").is_file() == bool(prompt_context)
     extra = load_heads(str(tmp_path / "run" / "heads")).config.extra
     assert extra["metrics_before"] == json.loads((tmp_path / "run" / "metrics_before.json").read_text())
     assert torch.equal(load_heads(str(tmp_path / "run" / "heads")).draft_vocab, heads.draft_vocab) \

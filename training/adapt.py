@@ -53,9 +53,9 @@ class AdaptConfig:
     output_dir: str = field(metadata={"help": "run folder: checkpoints/, metrics.jsonl, adapt.json, and heads/ when "
                                               "the adapted heads win"})
     replay: str | None = field(default=None, metadata={
-        "help": "self-distilled dataset the heads were trained on (the shipped heads': `python scripts/merge_data.py "
-                "distilled/smollm2-mix/part-* --output_dir data/mix`): a sample of it is mixed in so that what the "
-                "heads knew is kept, and its held-out rows are scored before and after"})
+        "help": "self-distilled dataset the heads were trained on, or a folder of its make-data parts (the shipped "
+                "heads': distilled/smollm2-mix, merged into the run folder once): a sample of it is mixed in so that "
+                "what the heads knew is kept, and its held-out rows are scored before and after"})
     replay_share: float = field(default=0.5, metadata={
         "help": "replay answer tokens per traffic answer token trained on (0.5: one to two)"})
     replay_eval: int = field(default=64, metadata={"help": "held-out replay rows scored before and after"})
@@ -158,6 +158,21 @@ def traffic_examples(reader, seq_len: int, share: float, context: int) -> tuple[
     return examples, held, keys
 
 
+def replay_dataset(path: str | Path, out: Path) -> Path:
+    """``--replay`` as one dataset: the folder itself, or, for a folder of make-data parts (``part-*``, as
+    ``distilled/smollm2-mix``), the parts merged in row order into the run folder (once; ``merge_data``)."""
+    path = Path(path)
+    parts = sorted(p for p in path.glob("part-*") if (p / "state.json").is_file()) if path.is_dir() else []
+    if not parts or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return path
+    merged = out / "replay-data"
+    if not (merged / "state.json").is_file():
+        from .merge_data import merge_data
+
+        merge_data(parts, merged, overwrite=merged.exists())
+    return merged
+
+
 def adapt(cfg: AdaptConfig) -> dict:
     """The whole run (module docstring); returns the report also written to OUT/adapt.json."""
     out = Path(cfg.output_dir)
@@ -191,8 +206,8 @@ def adapt(cfg: AdaptConfig) -> dict:
         split = {"seq_len": cfg.seq_len, "eval_fraction": 0.05, "eval_max_examples": 256, "seed": cfg.seed,
                  **recorded_split(heads.config)}
         started = ((heads.config.extra or {}).get("init_heads") or {}).get("seen_parts") or ()  # as their run did
-        replay = load_data(cfg.replay, split["seq_len"], split["eval_fraction"], split["eval_max_examples"],
-                           split["seed"], seen_parts=started)
+        replay = load_data(replay_dataset(cfg.replay, out), split["seq_len"], split["eval_fraction"],
+                           split["eval_max_examples"], split["seed"], seen_parts=started)
         gen = torch.Generator().manual_seed(cfg.seed)
         want = cfg.replay_share * sum(len(all_examples[r].ids) - all_examples[r].prompt_len for r in train_rows)
         picked, answers = [], 0
