@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmaxx.heads.config import lookback
+
 
 @dataclass
 class OnlineAdapt:
@@ -64,6 +66,7 @@ class OnlineLearner:
         """A call's traffic rows (``traffic.TrafficRow``); runs an update once ``every`` tokens have come in."""
         with self.lock:
             for row in rows:
+                row = row.cut(lookback(self.heads.config))  # what the heads read of its prompt, and no more
                 self.seen_rows += 1
                 if len(self.buffer) < self.cfg.buffer_rows:
                     self.buffer.append(row)

@@ -11,16 +11,17 @@ training data so that what they knew is kept, and ships the result only if it sc
               the heads' own run held out (the split it recorded); their features computed once by the backbone and
               cached in the run folder (``features.FeatureCache``)
 3. train      cross-entropy on the backbone's tokens (greedy traffic: its argmax), from the heads' weights, over their
-              draft vocabulary; the init heads scored first on the held-out rows by the same computation
+              draft vocabulary; the heads as they serve scored first on the held-out rows
 4. ship       the candidate becomes OUT/heads when its held-out traffic tau (``tree_tau_empirical``) beats the init
               heads' as they serve (their own prompt context) by ``--min_gain``; otherwise it is removed and the
-              report says why. OUT/adapt.json: before and
-              after, per category ("traffic", "replay"), and the run's speed.
+              report says why. OUT/adapt.json: before and after, per category ("traffic", "replay"), and the
+              run's speed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -255,10 +256,11 @@ def adapt(cfg: AdaptConfig) -> dict:
         lr=cfg.lr, warmup=min(cfg.warmup, cfg.max_steps), micro_batch_size=cfg.micro_batch_size,
         grad_accum=cfg.grad_accum, save_every=cfg.save_every, resume=cfg.resume, eval_fraction=cfg.held_out,
         eval_max_examples=len(eval_rows))
-    # the heads as they serve now (their own prompt context), scored on the held-out rows: what adapting must beat
-    served = evaluate_heads(heads, model, data, micro_batch_size=cfg.micro_batch_size, features=features)
-    result = train(train_cfg, model=model, source=TrainSource(data, features, vocab))
-    report = _report(cfg, served, result, data)
+    # scored before training: the heads as they serve now (their own prompt context), what the adapted ones must beat
+    served = functools.partial(evaluate_heads, heads, model, data, micro_batch_size=cfg.micro_batch_size,
+                               features=features)
+    result = train(train_cfg, model=model, source=TrainSource(data, features, vocab, score_before=served))
+    report = _report(cfg, result, data)
     shipped = out / "heads"
     if report["shipped"]:
         if shipped.exists():
@@ -277,8 +279,8 @@ def _scores(metrics: dict) -> dict:
     return {c: {SCORE: m.get(SCORE), "head1_top1": (m.get("head_top1") or [None])[0]} for c, m in groups.items()}
 
 
-def _report(cfg: AdaptConfig, served: dict, result, data: SelfDistilledData) -> dict:
-    before, after = _scores(served), _scores(result.metrics)
+def _report(cfg: AdaptConfig, result, data: SelfDistilledData) -> dict:
+    before, after = _scores(result.metrics_before), _scores(result.metrics)
     gain = after[TRAFFIC][SCORE] - before[TRAFFIC][SCORE]
     shipped = gain > cfg.min_gain
     why = (f"held-out traffic tau {before[TRAFFIC][SCORE]:.4f} -> {after[TRAFFIC][SCORE]:.4f}"

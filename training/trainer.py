@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -57,13 +58,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainSource:
     """What a run trains on when it is not ``cfg.data`` read through the backbone (``adapt``: recorded traffic and a
-    replay sample): the examples, a features object (``hidden(batch)`` -> [B, W, F]) and the draft vocabulary kept
-    (the init heads'; None: one from the data, as ``--draft_vocab_size`` says). Such a run also scores the init heads
-    on the held-out rows before its first step (``TrainResult.metrics_before``: the same computation as after)."""
+    replay sample): the examples, a features object (``hidden(batch)`` -> [B, W, F]), the draft vocabulary kept
+    (the init heads'; None: one from the data, as ``--draft_vocab_size`` says) and ``score_before``, which scores the
+    heads the run starts from on its held-out rows, called once per run (``TrainResult.metrics_before``)."""
 
     data: SelfDistilledData
     features: object
     vocab: torch.Tensor | None = None
+    score_before: Callable[[], dict] | None = None
 
 
 @dataclass
@@ -72,7 +74,7 @@ class TrainResult:
     steps: int  # optimizer steps done in total (including those before a resume)
     losses: list[float] = field(default_factory=list)  # loss of each step run by this call (all ranks' mean)
     metrics: dict = field(default_factory=dict)  # final held-out metrics
-    metrics_before: dict = field(default_factory=dict)  # a ``TrainSource`` run's: the same, before its first step
+    metrics_before: dict = field(default_factory=dict)  # a ``TrainSource`` run's ``score_before``
     positions_per_s: float = 0.0  # trained positions per second over this call's steps (all ranks)
     wall_seconds: float = 0.0
 
@@ -381,13 +383,11 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
                                data.window_lengths(context) if cfg.group_by_length else None)
     result = TrainResult(export_dir=cfg.heads_export_dir, steps=step)
     positions = seconds = 0.0
-    if source is not None:  # the init heads' score, once per run (a resumed run reads it back)
+    if source is not None and source.score_before is not None:  # once per run (a resumed run reads it back)
         scored = out / "metrics_before.json"
         if not scored.is_file():
-            metrics = _evaluate(objective, lm_head, embed, features, data, tree, cfg, rank, world, by_category=True,
-                                rank_vocab=rank_vocab)
             if rank == 0:
-                atomic_write_text(scored, _json(metrics))
+                atomic_write_text(scored, _json(source.score_before()))
             _barrier()
         result.metrics_before = json.loads(scored.read_text())
 
@@ -453,7 +453,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
              "seen_parts": sorted(set(seen) | set(part_digests(data.provenance)))}
     if init is not None:
         extra["init_heads"] = init_heads_record(init, cfg.init_heads, seen)
-    if source is not None:
+    if result.metrics_before:
         extra["metrics_before"] = result.metrics_before
     if vocab is not None:
         extra["_draft_vocab"], extra["draft_vocab"] = vocab, {**vocab_record, "loss": cfg.loss_vocab == "draft"}

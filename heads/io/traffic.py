@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..config import backbone_identity
 from .loading import write_atomic
 
 META = "meta.json"
@@ -49,6 +50,11 @@ class TrafficRow:
     features: torch.Tensor
     sampled: bool = False
 
+    def cut(self, lookback: int) -> "TrafficRow":
+        """The row from ``lookback`` positions before the prompt's last on (what heads of that lookback read)."""
+        skip = max(0, self.prompt_len - 1 - lookback)
+        return TrafficRow(self.ids[skip:], self.prompt_len - skip, self.features[skip:], self.sampled)
+
     def __post_init__(self):
         if self.features.shape[0] != self.ids.shape[0] - 1:
             raise ValueError(f"a traffic row of {self.ids.shape[0]} tokens needs features at its first "
@@ -57,8 +63,6 @@ class TrafficRow:
 
 def store_meta(model, feature_layers, feature_size: int, dtype: torch.dtype, lookback: int) -> dict:
     """What a recording's rows were computed by and hold (``meta.json``)."""
-    from tokenmaxx.heads.config import backbone_identity
-
     ident, revision = backbone_identity(model)
     return {"format": FORMAT, "backbone": ident, "backbone_revision": revision,
             "adapter": getattr(model.config, "tokenmaxx_adapter", None),
@@ -82,7 +86,7 @@ def read_meta(folder: str | Path) -> dict:
 
 def open_store(folder: str | Path, meta: dict) -> Path:
     """The folder, made and given ``meta`` when new; an existing recording must match it (one error naming each field
-    that differs). Also removes temp files a killed writer left."""
+    that differs)."""
     folder = Path(folder)
     if (folder / META).is_file():
         found = read_meta(folder)
