@@ -304,9 +304,9 @@ def test_push_script_card_shows_the_bench_rows_it_is_told_to(heads_folder, capsy
 
 
 # what docs/bench/README.md renders each shipped card from: (repo id, bench record, rows)
-SHIPPED_CARDS = {"smollm2-135m": ("tokenmaxx/smollm2-135m-eagle3", "bench-s29.json",
+SHIPPED_CARDS = {"smollm2-135m": ("tokenmaxx/smollm2-135m-eagle3", "bench-2026-12-04-epyc-avx2.json",
                                   ["baseline", "prompt_lookup", "tokenmaxx:auto", "hybrid", "lookup"]),
-                 "smollm2-135m-medusa": ("tokenmaxx/smollm2-135m-medusa", "bench-s10b.json", None)}
+                 "smollm2-135m-medusa": ("tokenmaxx/smollm2-135m-medusa", "bench-2026-11-30-xeon-kinds.json", None)}
 
 
 @pytest.mark.parametrize("alias", sorted(SHIPPED_CARDS))

@@ -17,7 +17,7 @@ datasets = pytest.importorskip("datasets", reason="the datasets library (trainin
 REPO = Path(__file__).resolve().parents[1]
 KEPT = REPO / "distilled"
 PARTS = sorted(KEPT.glob("*/part-*"))
-LIMIT = 30 * 1024 * 1024  # what the repository may carry of it
+LIMIT = 30 * 1024 * 1024  # what the repository may hold of it (every clone downloads it)
 
 
 def test_the_kept_data_is_small_enough():
@@ -59,7 +59,7 @@ def test_no_benchmark_prompt_was_answered(part):
     assert not [p for p in prompts if normalize(p) in excluded]
 
 
-UNFINISHED = sorted(KEPT.glob("*/unfinished/part-*"))  # recipe_eagle3.sh STAGE=stash: shards of a part not yet done
+UNFINISHED = sorted(KEPT.glob("*/unfinished/part-*"))  # recipe_eagle3.py --stage stash: shards of unfinished parts
 
 
 @pytest.mark.parametrize("part", UNFINISHED, ids=[p.name for p in UNFINISHED])

