@@ -69,6 +69,25 @@ class Outcome:
     token_ids: torch.Tensor  # [m+1] long: ``tokens`` on the backbone's device (its last: the next round's root)
 
 
+class Eager:
+    """How a drafter's module calls run: as they are. A heads drafter holds one as ``passes`` (this, ``EAGER``, by
+    default), the only thing about how its calls run on a machine that it is handed: the inference side may hand it
+    others (``inference.runner.CapturedPasses``: compiled at fixed shapes)."""
+
+    together = True  # passes of several rows may run as one call (``run_passes``)
+
+    def call(self, module, name: str, fn: Callable, *args):
+        """``module``'s method ``name`` (``fn``) on ``args``."""
+        return fn(*args)
+
+    def module_pass(self, request: "Pass") -> torch.Tensor:
+        """A module pass of a sequential drafter (``sequential.ModulePass``)."""
+        return request.run_eager()
+
+
+EAGER = Eager()
+
+
 class Pass:
     """One draft-module pass a proposal asks for (``proposal_steps``): ``run()`` computes it alone; passes of several
     rows' proposals whose ``batch_key`` is the same (not None) can be computed together in one batched call

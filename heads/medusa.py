@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .capture import captured
 from .draft_vocab import DraftVocab
-from .drafting import HEADS, Draft, Outcome, Prefill
+from .drafting import EAGER, HEADS, Draft, Outcome, Prefill
 from .dynamic_tree import DynamicTreeConfig
 from .modeling import DraftHeads
 from .registry import register_head_kind
@@ -76,9 +75,8 @@ class MedusaHeads(DraftHeads):
         return self.project(self.head_states(hidden), lm_head)
 
     # ---- drafting -------------------------------------------------------------------------------------------------
-    def drafter(self, model, tree: Tree | None = None, draft_vocab: bool = True,
-                capture: bool = False) -> "MedusaDrafter":
-        return MedusaDrafter(self, model, self.parsed_settings(tree, Tree), draft_vocab=draft_vocab, capture=capture)
+    def drafter(self, model, tree: Tree | None = None, draft_vocab: bool = True) -> "MedusaDrafter":
+        return MedusaDrafter(self, model, self.parsed_settings(tree, Tree), draft_vocab=draft_vocab)
 
     @classmethod
     def tree_settings(cls, config, spec=None) -> Tree:
@@ -138,9 +136,9 @@ class MedusaDrafter:
     instead of the whole vocabulary.
     """
 
-    def __init__(self, heads: MedusaHeads, model, tree: Tree, draft_vocab: bool = True, capture: bool = False):
+    def __init__(self, heads: MedusaHeads, model, tree: Tree, draft_vocab: bool = True):
         self.heads, self.tree = heads, tree
-        self.capture = capture  # the heads' pass compiled once (``capture.captured``; its shapes never change)
+        self.passes = EAGER  # how the heads' calls run (``drafting.Eager``; the inference side may hand others)
         self.feature_layers = heads.feature_layers  # None: the final-normed last state
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device  # the backbone's: drafts live there
@@ -180,9 +178,11 @@ class MedusaDrafter:
                      values=static_values(tree, self.device))
 
     def _call(self, name: str, *args):
-        """The heads' ``name`` method on ``args``, captured where asked."""
-        method = getattr(self.heads, name)
-        return captured(self.heads, name, method, *args) if self.capture else method(*args)
+        """The heads' ``name`` method on ``args``, as this drafter's passes run."""
+        return self.passes.call(self.heads, name, getattr(self.heads, name), *args)
+
+    def share_forward(self, rows: int) -> None:
+        """(Its tree is as large whatever a forward verifies beside it.)"""
 
     def observe(self, outcome: Outcome) -> None:
         self.hidden = outcome.hidden[-1]

@@ -82,7 +82,7 @@ class DraftHeads(nn.Module):
     - ``training_states(hidden, input_ids, embed, selected [B, T] bool)`` -> ``[K, n, H]``: the same before the
       vocabulary projection, at the selected positions only (the loss projects them, possibly fused);
     - ``project(states [K, ..., H], lm_head)`` -> ``[K, ..., V]``: the heads' vocabulary projection;
-    - ``drafter(model, tree, draft_vocab, capture)``: a fresh drafter for one generation (``tokenmaxx.inference.drafting``);
+    - ``drafter(model, tree, draft_vocab)``: a fresh drafter for one generation (``tokenmaxx.inference.drafting``);
     - ``tree_settings(config, spec)`` / ``check_config(config)`` / ``card_sections(config)``: the kind's draft tree
       settings, parsed, validated and described.
     """
@@ -189,10 +189,10 @@ class DraftHeads(nn.Module):
         targets the token at t+k+1."""
         return self.project(self.training_states(hidden, input_ids, embed), lm_head)
 
-    def drafter(self, model, tree=None, draft_vocab: bool = True, capture: bool = False):
+    def drafter(self, model, tree=None, draft_vocab: bool = True):
         """A fresh drafter (``propose`` / ``observe``) for one generation on ``model``; ``tree``: this kind's tree
         settings as ``tree_settings`` parsed them (None: the config's own); ``draft_vocab``: guess over the heads'
-        draft vocabulary; ``capture``: compile the heads' passes once per shape (``capture.captured``)."""
+        draft vocabulary. Its ``passes`` (``drafting.Eager``) say how its module calls run."""
         raise NotImplementedError
 
     def parsed_settings(self, settings, expected: type):

@@ -20,30 +20,19 @@ Letters: B batch, T time, D depths, H hidden size, F backbone feature size, V vo
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-import torch.nn.functional as F
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache
 
 from .attention import UNROLLED, shared_kv_kwargs
-from .capture import bucket, captured
 from .draft_vocab import DraftVocab
-from .drafting import HEADS, Draft, Outcome, Pass, Prefill, run_alone
+from .drafting import EAGER, HEADS, Draft, Outcome, Pass, Prefill, run_alone
 from .machine import reads_are_free
 from .dynamic_tree import DynamicTreeConfig, Frontier, tree_growth
 from .config import lookback
 from .modeling import DraftHeads
-
-
-MODULE_CACHE = 2048  # entries a captured drafter's module cache starts with (doubled when a generation needs more)
-MODULE_BUCKETS = (16, 64)  # query counts a captured module pass is padded to (past the last, its multiples)
-_CAPTURED_CACHES = threading.local()  # .by_heads: heads -> the module cache its captured drafters in this thread
-# use, one generation at a time (a drafter lives for one generation; the recorded graphs hold the cache's addresses,
-# which a new cache per generation would move, and every graph would be recorded again)
 
 
 class SequentialHeads(DraftHeads):
@@ -127,10 +116,8 @@ class SequentialHeads(DraftHeads):
         return torch.stack(outs), kept
 
     # ---- drafting -------------------------------------------------------------------------------------------------
-    def drafter(self, model, tree: DynamicTreeConfig | None = None, draft_vocab: bool = True,
-                capture: bool = False) -> "SequentialDrafter":
-        return SequentialDrafter(self, model, self.parsed_settings(tree, DynamicTreeConfig), draft_vocab=draft_vocab,
-                                 capture=capture)
+    def drafter(self, model, tree: DynamicTreeConfig | None = None, draft_vocab: bool = True) -> "SequentialDrafter":
+        return SequentialDrafter(self, model, self.parsed_settings(tree, DynamicTreeConfig), draft_vocab=draft_vocab)
 
     @classmethod
     def tree_settings(cls, config, spec=None) -> DynamicTreeConfig:
@@ -180,7 +167,7 @@ class SequentialDrafter:
     """
 
     def __init__(self, heads: SequentialHeads, model, config: DynamicTreeConfig, draft_vocab: bool = True,
-                 stop_early: bool | None = None, capture: bool = False):
+                 stop_early: bool | None = None):
         self.heads, self.config = heads, config
         self.feature_layers = heads.feature_layers  # what the loop hands to start / observe as backbone states
         self.embed = model.get_input_embeddings()
@@ -190,9 +177,8 @@ class SequentialDrafter:
         self.vocab: DraftVocab | None = None  # a DraftVocab, or None (all tokens)
         self.attention = shared_kv_kwargs(model)  # the module's layer is built from the backbone's config
         self.depth = config.depth or heads.config.num_heads
-        # ``capture``: the module's passes are compiled per shape (``capture.captured``) over a preallocated cache
-        self.capture = capture
-        self.cache = self._new_cache(MODULE_CACHE)
+        self.passes = EAGER  # how its module passes run (``drafting.Eager``; the inference side may hand others)
+        self.cache = DynamicCache()
         self.length = 0  # entries in the module cache that stay (accepted anchors)
         self.next_position = 0  # position id of the next anchor
         self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
@@ -213,76 +199,18 @@ class SequentialDrafter:
     def cached(self) -> int:
         return self.length
 
-    def _new_cache(self, size: int):
-        """An empty module cache: grown per pass (``DynamicCache``), or, when the passes are captured, this thread's
-        preallocated cache of these heads, of at least ``size`` entries (``StaticCache``: fixed addresses and mask
-        widths, kept across generations; its layers allocated up front, so that the first captured pass sees the cache
-        every later pass sees, and compiles no graph of its own). Each pass masks the entries it does not keep."""
-        if not self.capture:
-            return DynamicCache()
-        pool = getattr(_CAPTURED_CACHES, "by_heads", None)
-        if pool is None:
-            pool = _CAPTURED_CACHES.by_heads = weakref.WeakKeyDictionary()
-        cache = pool.get(self.heads)
-        layer = cache.layers[0] if cache is not None else None
-        if layer is None or layer.max_cache_len < size or layer.keys.device != self.device \
-                or layer.keys.dtype != self.heads.dtype:
-            config = self.heads.layer_config
-            cache = StaticCache(config=config, max_cache_len=size)
-            heads = config.num_attention_heads
-            cache.early_initialization(1, getattr(config, "num_key_value_heads", None) or heads,
-                                       getattr(config, "head_dim", None) or config.hidden_size // heads,
-                                       self.heads.dtype, self.device)
-            pool[self.heads] = cache
-        return cache
+    def share_forward(self, rows: int) -> None:
+        """(Its trees are as large whatever a forward verifies beside them.)"""
 
     def _run(self, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              visible: torch.Tensor) -> torch.Tensor:
-        """Module pass for n queries, written to the cache after its first C + E entries. prev [n, H], tokens [n],
-        positions [n] and visible [n, C+E+n] bool over (cache, queries), all on the device. Returns states [n, H].
-
-        Captured, the pass runs at a fixed shape: n padded to ``bucket(n, MODULE_BUCKETS)`` queries (the padding
-        queries see only themselves, and no real query sees them; their entries land past the real ones, where the
-        next pass writes), and the mask spanning the whole preallocated cache. The n of a pass varies with the
-        frontier's width, the accepted path's length and the prompt, so unpadded each new n would compile a graph.
-        The states it returns are the drafter's own: on a GPU a captured call's outputs are overwritten by the next
-        captured call."""
+        """Module pass for n queries, appended to the cache after its first C + E entries. prev [n, H], tokens [n],
+        positions [n] and visible [n, C+E+n] bool over (cache, queries), all on the device. Returns states [n, H]."""
         dtype = self.heads.dtype
-        n, width = visible.shape
-        if self.capture:  # the pass writes right after what it keeps
-            extra = bucket(n, MODULE_BUCKETS) - n
-            self._reserve(width + extra)
-            for layer in self.cache.layers:
-                layer.cumulative_length.fill_(width - n)
-            prev = prev.contiguous()  # (an expanded state has stride 0: a graph of its own)
-            if extra:
-                prev = F.pad(prev, (0, 0, 0, extra))
-                tokens, positions = F.pad(tokens, (0, extra)), F.pad(positions, (0, extra))
-                own = torch.zeros(extra, width + extra, dtype=torch.bool, device=self.device)
-                own[:, width:] = torch.eye(extra, dtype=torch.bool, device=self.device)
-                visible = torch.cat([F.pad(visible, (0, extra)), own])  # [n + extra, width + extra]
-            visible = F.pad(visible, (0, self.cache.layers[0].max_cache_len - visible.shape[1]))
-        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+E+n or cache]
+        mask = torch.zeros(1, 1, *visible.shape, dtype=dtype, device=self.device)  # [1, 1, n, C+E+n]
         mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
-        inputs = (prev[None], tokens[None], self.embed, positions[None], mask, self.cache)
-        if self.capture:  # (a copy: the next captured call, a level's or the verify's, overwrites its outputs,
-            # and the newest anchor's state is read after it)
-            return captured(self.heads, "step", self.heads.step, *inputs, **self.attention)[0, :n].clone()
-        return self.heads.step(*inputs, **self.attention)[0]
-
-    def _reserve(self, width: int) -> None:
-        """A preallocated cache of at least ``width`` entries: the current one, or one twice as large holding its
-        entries."""
-        size = self.cache.layers[0].max_cache_len
-        if width <= size:
-            return
-        while size < width:
-            size *= 2
-        old, self.cache = self.cache, self._new_cache(size)  # (a new, larger one: this thread's from now on)
-        for layer, was in zip(self.cache.layers, old.layers):
-            layer.keys[:, :, : was.max_cache_len] = was.keys
-            layer.values[:, :, : was.max_cache_len] = was.values
-            layer.cumulative_length.copy_(was.cumulative_length)
+        return self.heads.step(prev[None], tokens[None], self.embed, positions[None], mask, self.cache,
+                               **self.attention)[0]
 
     def start(self, prefill: Prefill) -> None:
         """After the prefill: the module reads the end of the prompt.
@@ -295,7 +223,7 @@ class SequentialDrafter:
         input_ids, hidden = prefill.input_ids, prefill.hidden
         prompt_len = input_ids.shape[0]
         first = max(0, prompt_len - 1 - lookback(self.heads.config))
-        self.cache = self._new_cache(MODULE_CACHE)
+        self.cache = DynamicCache()
         self.length = 0
         self.next_position = first
         self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)
@@ -378,8 +306,8 @@ class SequentialDrafter:
                 frontier = growth.send(self._logprobs(out))  # [F, V or Vd]
         except StopIteration as stop:
             grown = stop.value
-        finally:  # drop the tree's entries (a preallocated cache is written over by the next pass)
-            if not self.capture and self.cache.get_seq_length() > cached:  # (crop takes a negative count)
+        finally:  # drop the tree's entries (passes that keep their own cache write over them: ``drafting.Eager``)
+            if self.cache.get_seq_length() > cached:  # (crop takes a negative count)
                 self.cache.crop(cached - self.cache.get_seq_length())
         return Draft(tokens=grown.tokens, buffers=grown.buffers, sources=torch.full_like(grown.tokens, HEADS),
                      values=grown.scores.exp())
@@ -399,11 +327,14 @@ class ModulePass(Pass):
 
     @property
     def batch_key(self):
-        """Drafters of one heads module on one device batch together; a captured one (fixed shapes) runs alone."""
+        """Drafters of one heads module on one device batch together, where their passes may (``Eager.together``)."""
         drafter = self.drafter
-        return None if drafter.capture else (drafter.heads, drafter.embed, drafter.device)
+        return (drafter.heads, drafter.embed, drafter.device) if drafter.passes.together else None
 
     def run(self) -> torch.Tensor:
+        return self.drafter.passes.module_pass(self)
+
+    def run_eager(self) -> torch.Tensor:
         return self.drafter._run(self.prev, self.tokens, self.positions, self.visible)
 
     @staticmethod

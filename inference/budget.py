@@ -285,26 +285,24 @@ class BudgetDrafter:
 
     Per round: the gate decides whether the heads propose; with ``lookup`` settings, up to ``lookup.branches``
     continuations of the longest matched suffix are merged into the heads' tree; ``share_budget`` keeps the most
-    valuable nodes, as many as pay for their verify time on ``latency`` (None: the whole budget). ``observe`` updates
-    the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
-    ``propose_seconds``: seconds one proposal of the heads takes on this machine; with ``latency`` it sizes the trees
-    of the rounds the heads run and sets the gate's bar (None: neither); ``propose_rows``: several rows' proposals
-    together (``Costs.propose_rows``), which a row of a batch is charged its share of. Without lookup, a round whose
-    heads sit out verifies the root alone (a plain decode step).
+    valuable nodes, as many as pay for their verify time on ``costs.latency`` (None: the whole budget). ``observe``
+    updates the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
+    ``costs.propose_seconds``: seconds one proposal of the heads takes on this machine; with the latency it sizes the
+    trees of the rounds the heads run and sets the gate's bar (None: neither); ``costs.propose_rows``: several rows'
+    proposals together, which a row of a batch is charged its share of. Without lookup, a round whose heads sit out
+    verifies the root alone (a plain decode step).
     """
 
     def __init__(self, heads_drafter, lookup: LookupConfig | None = None, gate: GateConfig | None = None,
-                 nodes: int = 1, latency: VerifyLatency | None = None, propose_seconds: float | None = None,
-                 propose_rows: Mapping[int, float] | None = None):
+                 nodes: int = 1, costs: Costs | None = None):
         self.heads = heads_drafter
         self.lookup = lookup  # None: the heads' tree alone
         self.gate_settings = gate or GateConfig()
-        # proposing seconds: one row's, and several rows' together (a batch's, ``Costs.propose_time``)
-        self.proposing = Costs(propose_seconds=propose_seconds, propose_rows=propose_rows or {})
+        self.costs = costs or Costs()  # this machine's: verify latency, proposing seconds (one row's, several rows')
+        self.latency = self.costs.latency  # verify seconds per node count (None: keep the whole budget)
         self.feature_layers = heads_drafter.feature_layers  # the states are the heads drafter's
         self.nodes = nodes  # the heads' own node budget: the shared budget is at least this
         self.device = heads_drafter.device  # where the drafts live (the backbone's)
-        self.latency = latency  # verify seconds per node count on this machine (None: keep the whole budget)
         self.rows = 1  # rows whose trees one forward verifies (``share_forward``)
         self.min_ngram = lookup.shortest_ngram(1) if lookup is not None else 1
         self._reset()
@@ -324,11 +322,11 @@ class BudgetDrafter:
     @property
     def propose_cost(self) -> float:
         """Seconds of this row's proposal: its share of the proposals of the rows it drafts beside."""
-        return self.proposing.propose_time(self.rows) / self.rows
+        return self.costs.propose_time(self.rows) / self.rows
 
     def share_forward(self, rows: int) -> None:
         """From now on this drafter's trees are verified in one forward with those of ``rows`` rows in all
-        (``batch.batched_decode``): its nodes are priced at that load (``VerifyLatency.at``), its proposal at its
+        (``loop.decode``): its nodes are priced at that load (``VerifyLatency.at``), its proposal at its
         share of the rows' proposals run together."""
         self.rows = rows
         self.gate.cost = self.propose_cost if self.latency is not None else 0.0

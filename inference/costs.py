@@ -9,9 +9,9 @@ machine's speed comes in a ``Costs``:
 - ``propose_seconds``: seconds one proposal of the heads takes. With ``latency`` it prices the heads' rounds, and
   heads that do not earn it sit rounds out (``budget.HeadsGate``). ``propose_rows``: the seconds of several rows'
   proposals run together (a batch's, whose module passes are batched), which a batch's load gate prices its
-  drafting rounds at (``batch.LoadGate``).
+  drafting rounds at (``loop.LoadGate``).
 - ``small_rows``: the tree sizes whose verifies compute (some of) the backbone's linear layers as ``(W @ x^T)^T``
-  (``forward.transposed_linears``), where this CPU's BLAS is faster that way.
+  (``runner.transposed_linears``), where this CPU's BLAS is faster that way.
 
 ``tokenmaxx.inference.measure.measure_costs`` measures them (once per backbone, heads and machine, then cached);
 ``SpeculativeGenerator.create`` / ``from_pretrained`` call it for ``costs="auto"``. Tests and benchmarks build a
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .forward import as_plan
+from .runner import as_plan
 
 
 def interpolate(latency: Mapping[int, float], n: int) -> float:
@@ -59,7 +59,7 @@ class VerifyLatency:
         """The table for a cache of ``prefix_len`` tokens: linear in the cache length between the measured lengths,
         extended along the last segment past the longest, and the shortest's table below it.
 
-        ``rows``: trees of that many rows verified in one forward (``batch.batched_decode``). n nodes a row then
+        ``rows``: trees of that many rows verified in one forward (``loop.decode``). n nodes a row then
         cost what ``rows * n`` tokens cost one row (the forward's work is its token count; each row's attention
         over its own cache is what one row's is), so each node is ``rows`` times dearer: the budgets shrink as the
         batch grows, down to the root alone (plain batched decoding) where no node pays."""

@@ -1,4 +1,9 @@
-"""The backbone's steps of one speculative round (verify -> accept -> commit), as plain functions over explicit state.
+"""The backbone's steps of one speculative round over the rows of a batch (one prompt: a batch of one row), as plain
+functions: ``layout`` (the rows' trees as batch tensors) -> ``verify`` (one backbone forward over every row's tree,
+4D mask) -> ``accept_greedy`` (each row's longest agreeing path + bonus; ``sampling.py`` for temperature > 0) ->
+``commit`` (each row keeps only its accepted path in the KV cache). Where the trees go in the cache, and how they are
+padded, is the cache's (``kv.KV``); how the forward runs on this machine is the runner's (``runner.Runner``). The loop
+is ``loop.decode``.
 
 Terms (used throughout tokenmaxx):
 - root: the last token the backbone chose; it is not in the KV cache yet and is node 0 of the tree.
@@ -11,36 +16,30 @@ Terms (used throughout tokenmaxx):
   t+1, head k's guesses sit at tree depth k. The sequential kinds (EAGLE-3, the default, and MTP) follow it with
   their draft depth d as head k = d.
 
-One round: a drafter's ``propose`` (``drafting.py``: tree tokens) -> ``verify`` (one backbone forward over the tree,
-4D mask) -> ``accept_greedy`` (longest agreeing path + bonus; ``sampling.py`` for temperature > 0) -> ``commit`` (keep
-only the accepted path in the KV cache) -> the drafter's ``observe``. The loop is ``loop.speculative_decode``.
-
 Devices: the tree tokens, the backbone's outputs and the accepted nodes live on the backbone's device; so do the
 buffers of trees grown there (dynamic trees), while static and host-merged trees are compiled on the CPU and each step
-takes their device copy (``TreeBuffers.to``, made once per tree). A greedy round reads back to Python once: the
-accepted length, path and tokens in one small tensor (``accept_greedy``); commit and the next draft take their
+takes their device copy (``TreeBuffers.to``, made once per tree). A greedy round reads back to Python once: every
+row's accepted length, path and tokens in one small tensor (``accept_greedy``); commit and the next draft take their
 indices from the device.
 
-Letters: N tree nodes, P cached prefix length, K heads (or draft depths), V vocabulary, H hidden size, D tree depth.
+Letters: R rows, N tree nodes (the largest row's), V vocabulary, F features the drafter reads, D tree depth.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from tokenmaxx.heads.drafting import Draft
 from tokenmaxx.heads.modeling import backbone_features
-from tokenmaxx.heads.tree import TreeBuffers
-
-from .forward import ForwardContext
-from .kv import StaticKV
 
 
 @dataclass
 class Verified:
-    logits: torch.Tensor  # [N, V] backbone logits at each tree node
-    hidden: torch.Tensor  # [N, F] what the drafter reads at each tree node (``backbone_features``; default: [N, H]
+    logits: torch.Tensor  # [R, N, V] backbone logits at each row's tree nodes (padding nodes: never read)
+    hidden: torch.Tensor  # [R, N, F] what the drafter reads at each node (``backbone_features``; default: [.., H]
     # final-normed last hidden state)
 
 
@@ -58,76 +57,94 @@ class Accepted:
             self.token_ids = torch.tensor(self.tokens, dtype=torch.long, device=self.nodes.device)
 
 
-def tree_attention_bias(buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
-    """Additive 4D mask [1, 1, N, P+N] of ``dtype`` on ``device``: the cached prefix is visible to all nodes; a node
-    sees its ancestors and itself."""
-    n = buffers.num_nodes
-    bias = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=device)
-    bias[0, 0, :, prefix_len:].masked_fill_(~buffers.to(device).attn_mask, torch.finfo(dtype).min)
-    return bias
+# a batch's acceptance: the rows' drafts and the forward's logits [R, N, V] -> each row's ``Accepted``
+Accept = Callable[[list[Draft], torch.Tensor], list[Accepted]]
 
 
-def verify(model, cache, tokens: torch.Tensor, buffers: TreeBuffers, prefix_len: int,
-           forward: ForwardContext | None = None, feature_layers: tuple[int, ...] | None = None) -> Verified:
-    """ONE backbone forward over all tree nodes through the public forward (4D mask, position_ids, Cache).
+def layout(drafts: list[Draft], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor | None]:
+    """The rows' trees as batch tensors, padded to the largest: tokens and depths [R, N], the tree mask [R, N, N]
+    (a node sees its ancestors and itself; a padding node only itself) and the real nodes [R, N] (None: no
+    padding)."""
+    counts = [d.num_nodes for d in drafts]
+    if len(drafts) == 1:
+        buffers = drafts[0].buffers.to(device)
+        return drafts[0].tokens[None], buffers.depths[None], buffers.attn_mask[None], None
+    rows, n = len(drafts), max(counts)
+    tokens = torch.zeros(rows, n, dtype=torch.long, device=device)
+    depths = torch.zeros(rows, n, dtype=torch.long, device=device)
+    tree = torch.eye(n, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+    real = torch.zeros(rows, n, dtype=torch.bool, device=device)
+    for i, (draft, k) in enumerate(zip(drafts, counts)):
+        buffers = draft.buffers.to(device)
+        tokens[i, :k], depths[i, :k], tree[i, :k, :k], real[i, :k] = draft.tokens, buffers.depths, \
+            buffers.attn_mask, True
+    return tokens, depths, tree, real
 
-    tokens: [N] on the backbone's device; a transformers cache holds ``prefix_len`` entries before the call and
-    ``prefix_len + N`` after it; a ``kv.StaticKV`` is written at ``prefix_len`` on, the tree padded to its bucket. ``forward``: how the forward runs on this machine (``forward.ForwardContext``; None: as the model is).
-    ``feature_layers``: which hidden states ``Verified.hidden`` holds (the drafter's; None: the final-normed last).
-    """
+
+def verify(model, kv, drafts: list[Draft], runner=None, feature_layers: tuple[int, ...] | None = None) -> Verified:
+    """ONE backbone forward over every active row's tree through the public forward (4D mask, position_ids, Cache),
+    written at the cache's end (``kv.KV.tree_inputs``). ``runner``: how the forward runs on this machine
+    (``runner.Runner``; None: as the model is). ``feature_layers``: which hidden states ``Verified.hidden`` holds (the
+    drafter's; None: the final-normed last)."""
     weight = model.get_output_embeddings().weight
-    on_device = buffers.to(weight.device)
-    if isinstance(cache, StaticKV):  # padded to its bucket, the mask over the whole preallocated cache
-        inputs = cache.tree_inputs(tokens, on_device.depths, on_device.attn_mask, prefix_len, weight.dtype)
+    tokens, depths, tree, real = layout(drafts, weight.device)
+    inputs = kv.tree_inputs(tokens, depths, tree, real, weight.dtype)
+    out = runner(model, **inputs) if runner is not None else model(**inputs, use_cache=True,
+                                                                   output_hidden_states=True)
+    n = tokens.shape[1]  # (a padded tree's extra nodes are dropped)
+    return Verified(logits=kv.select(out.logits[:, :n]),
+                    hidden=kv.select(backbone_features(out.hidden_states, feature_layers)[:, :n]))
+
+
+def accept_greedy(drafts: list[Draft], logits: torch.Tensor) -> list[Accepted]:
+    """Each row's longest path whose every candidate equals the backbone's argmax at its parent, plus the bonus token,
+    read back in one read for all rows. logits: [R, N, V] at each row's nodes (a row's trees padded to N)."""
+    device = logits.device
+    rows = len(drafts)
+    if rows == 1:
+        retrieve, tokens = drafts[0].buffers.to(device).retrieve[None], drafts[0].tokens[None]  # [1, P, D+1], [1, N]
     else:
-        inputs = dict(input_ids=tokens[None],  # [1, N]
-                      attention_mask=tree_attention_bias(buffers, prefix_len, weight.dtype, weight.device),  # [1,1,N,P+N]
-                      position_ids=(prefix_len + on_device.depths)[None],  # [1, N]
-                      past_key_values=cache)
-    out = (forward or ForwardContext())(model, **inputs, use_cache=True, output_hidden_states=True)
-    n = tokens.shape[0]  # (a padded tree's extra rows are dropped)
-    return Verified(logits=out.logits[0, :n], hidden=backbone_features(out.hidden_states, feature_layers)[0, :n])
-
-
-def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Accepted:
-    """Longest path whose every candidate equals the backbone's argmax at its parent, plus the bonus token.
-
-    tokens: [N] tree tokens; logits: [N, V] backbone logits at each node (both on one device).
-    """
-    # [N]: the backbone's choice after each node (max(dim): argmax with the same first-index ties, faster than argmax
-    # over bf16 rows on CPU)
+        depth = max(d.buffers.depth for d in drafts)
+        paths = max(d.buffers.retrieve.shape[0] for d in drafts)
+        retrieve = torch.full((rows, paths, depth + 1), -1, dtype=torch.long, device=device)  # [R, P, D+1]
+        tokens = torch.zeros(rows, logits.shape[1], dtype=torch.long, device=device)  # [R, N]
+        for i, draft in enumerate(drafts):
+            own = draft.buffers.to(device).retrieve
+            retrieve[i, : own.shape[0], : own.shape[1]] = own
+            tokens[i, : draft.num_nodes] = draft.tokens
+    # [R, N]: the backbone's choice after each node (max(dim): argmax with the same first-index ties, faster than
+    # argmax over bf16 rows on CPU)
     predicted = logits.max(dim=-1).indices
-    retrieve = buffers.to(logits.device).retrieve  # [P, D+1]
     safe = retrieve.clamp(min=0)
-    correct = (tokens[safe[:, 1:]] == predicted[safe[:, :-1]]) & (retrieve[:, 1:] >= 0)  # [P, D]
-    accepted_len = correct.long().cumprod(dim=1).sum(dim=1)  # [P]
-    best = accepted_len.argmax(dim=0, keepdim=True)  # [1] (tensor indices throughout: nothing is read yet)
-    row, m = safe.index_select(0, best)[0], accepted_len.index_select(0, best)[0]  # [D+1], []
-    bonus = predicted.index_select(0, row.gather(0, m[None]))  # [1]
-    candidates = tokens[row[1:]]  # [D]
-    # one read: the accepted length, the row's nodes and tokens, the bonus token
-    read = torch.cat([m[None], row, candidates, bonus]).tolist()
-    m, width = read[0], row.numel()
-    return Accepted(nodes=row[: m + 1], tokens=read[1 + width: 1 + width + m] + read[-1:],
-                    path=read[1: 2 + m], token_ids=torch.cat([candidates[:m], bonus]))
+    flat = safe.flatten(1)  # [R, P*(D+1)]
+    nodes_tok = tokens.gather(1, flat).view_as(safe)  # [R, P, D+1]
+    nodes_pred = predicted.gather(1, flat).view_as(safe)
+    correct = (nodes_tok[..., 1:] == nodes_pred[..., :-1]) & (retrieve[..., 1:] >= 0)  # [R, P, D]
+    accepted_len = correct.long().cumprod(dim=-1).sum(dim=-1)  # [R, P]
+    best = accepted_len.argmax(dim=1)  # [R] (tensor indices throughout: nothing is read yet)
+    index = torch.arange(rows, device=device)
+    row, m = safe[index, best], accepted_len[index, best]  # [R, D+1], [R]
+    bonus = predicted.gather(1, row.gather(1, m[:, None]))  # [R, 1]
+    candidates = tokens.gather(1, row[:, 1:])  # [R, D]
+    read = torch.cat([m[:, None], row, candidates, bonus], dim=1).tolist()  # one read: [R, 1 + D+1 + D + 1]
+    width = row.shape[1]
+    out = []
+    for i, values in enumerate(read):
+        length = values[0]
+        out.append(Accepted(nodes=row[i, : length + 1], tokens=values[1 + width: 1 + width + length] + values[-1:],
+                            path=values[1: 2 + length], token_ids=torch.cat([candidates[i, :length], bonus[i]])))
+    return out
 
 
-def commit(cache, prefix_len: int, nodes: torch.Tensor, path: list[int] | None = None) -> int:
-    """Keep exactly the accepted path's KV entries: gather them to positions P..P+m, then crop the rest.
+def each_row(rule: Callable) -> Accept:
+    """A batch's acceptance from a rule for one tree (``rule(tokens [N], logits [N, V], buffers) -> Accepted``, as the
+    sampling rules are): applied to each row in turn."""
+    def accept(drafts: list[Draft], logits: torch.Tensor) -> list[Accepted]:
+        return [rule(d.tokens, logits[i, : d.num_nodes], d.buffers) for i, d in enumerate(drafts)]
+    return accept
 
-    nodes: [m+1] accepted node indices (root first) on the cache's device; ``path``: the same as a list where the
-    caller has it (None: read from ``nodes``). Returns the new cache length P + m + 1.
-    """
-    path = nodes.tolist() if path is None else path
-    if isinstance(cache, StaticKV):
-        return cache.commit(prefix_len, nodes, path)
-    keep = prefix_len + len(path)
-    contiguous = path == list(range(len(path)))  # a chain prefix: nothing to gather
-    for layer in cache.layers:
-        if not contiguous:
-            src = prefix_len + nodes
-            layer.keys[..., prefix_len:keep, :] = layer.keys[..., src, :]
-            layer.values[..., prefix_len:keep, :] = layer.values[..., src, :]
-    cache.crop(keep - cache.get_seq_length())
-    return keep
+
+def commit(kv, accepted: list[Accepted]) -> None:
+    """Each row keeps exactly its accepted path's entries in the cache (``kv.KV.commit``)."""
+    kv.commit([a.path for a in accepted], [a.nodes for a in accepted])

@@ -1,7 +1,7 @@
 """Drafting: who proposes each round's tree. One protocol, one object per drafting mode.
 
 A drafter is made fresh for each generation (it holds that generation's state) and is driven by the decode loop
-(``loop.speculative_decode``):
+(``loop.decode``, one drafter per row):
 
     drafter.start(prefill)                     after the backbone's prefill
     draft = drafter.propose(root, room)        a tree below the root, at most ``room`` levels deep
@@ -52,6 +52,10 @@ class Drafter(Protocol):
     def observe(self, outcome: Outcome) -> None:
         """What the backbone accepted of the last draft."""
 
+    def share_forward(self, rows: int) -> None:
+        """From now on its trees are verified in one forward with those of ``rows`` rows in all (a batch's load,
+        which a drafter that prices its nodes prices them at; others ignore it)."""
+
 
 @dataclass(frozen=True)
 class DraftSettings:
@@ -62,17 +66,23 @@ class DraftSettings:
     gate: GateConfig = field(default_factory=GateConfig)
     draft_vocab: bool = True  # heads with a draft vocabulary guess over it
     costs: Costs | None = None  # this machine's measured costs (None: whole trees)
-    capture: bool = False  # the heads' passes compiled once per shape (a GPU's CUDA graphs; ``heads.capture``)
+    passes: object = None  # how the heads' calls run (``runner.Runner.passes``; None: as they are)
+
+
+def _own(model, heads, settings: DraftSettings):
+    """The heads' own drafter, its passes run as the settings say."""
+    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab)
+    if settings.passes is not None:
+        own.passes = settings.passes
+    return own
 
 
 def _heads(model, heads, settings: DraftSettings) -> Drafter:
-    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab, capture=settings.capture)
-    costs = settings.costs
-    if costs is None or costs.latency is None:
+    own = _own(model, heads, settings)
+    if settings.costs is None or settings.costs.latency is None:
         return own
     # on a measured latency the tree is cut per round to the nodes that pay for their verify time
-    return BudgetDrafter(own, lookup=None, gate=settings.gate, nodes=own.nodes, latency=costs.latency,
-                         propose_seconds=costs.propose_seconds, propose_rows=costs.propose_rows)
+    return BudgetDrafter(own, lookup=None, gate=settings.gate, nodes=own.nodes, costs=settings.costs)
 
 
 def _lookup(model, heads, settings: DraftSettings) -> Drafter:
@@ -80,10 +90,8 @@ def _lookup(model, heads, settings: DraftSettings) -> Drafter:
 
 
 def _hybrid(model, heads, settings: DraftSettings) -> Drafter:
-    own = heads.drafter(model, settings.tree, draft_vocab=settings.draft_vocab, capture=settings.capture)
-    costs = settings.costs or Costs()
-    return BudgetDrafter(own, lookup=settings.lookup, gate=settings.gate, nodes=own.nodes, latency=costs.latency,
-                         propose_seconds=costs.propose_seconds, propose_rows=costs.propose_rows)
+    own = _own(model, heads, settings)
+    return BudgetDrafter(own, lookup=settings.lookup, gate=settings.gate, nodes=own.nodes, costs=settings.costs)
 
 
 DRAFT_MODES: dict[str, Callable[..., Drafter]] = {"heads": _heads, "lookup": _lookup, "hybrid": _hybrid}

@@ -3,14 +3,13 @@
 Build it from objects (``SpeculativeGenerator(model, heads, tokenizer=tok)``: measures nothing, changes nothing on
 ``model``), through the factory that also measures this machine (``SpeculativeGenerator.create``: ``costs="auto"``
 and ``tree="auto"`` resolved, ``measure.measure_costs``), or from names (``SpeculativeGenerator.from_pretrained``).
-Each ``generate`` call makes a fresh drafter (``drafting.make_drafter``) and runs the loop
-(``loop.speculative_decode``), so one generator (and one backbone) may serve several threads at once.
+Each ``generate`` call makes a fresh drafter per row (``drafting.make_drafter``) and runs the loop (``loop.decode``;
+one prompt is a batch of one row), so one generator (and one backbone) may serve several threads at once.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -24,15 +23,15 @@ from tokenmaxx.heads.attention import shared_kv_kwargs
 from tokenmaxx.heads.io.backbones import EmulatedDtypeWarning
 from tokenmaxx.heads.machine import free_memory, reads_are_free
 
-from .batch import BatchStats, batched_decode
 from .budget import GateConfig
 from .costs import Costs
-from .decoding import accept_greedy
+from .decoding import accept_greedy, each_row
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mode, make_drafter
-from .forward import CACHES, ForwardContext
+from .kv import CACHES
 from .lookup import LookupConfig
-from .loop import STATIC_MARGIN, GenerationStats, eos_ids, greedy_root, speculative_decode
+from .loop import STATIC_MARGIN, BatchStats, GenerationStats, decode, eos_ids, greedy_root
 from .record import Recorder
+from .runner import Runner
 from .online import OnlineAdapt, OnlineLearner
 from .measure import Calibration, announce_measuring, cached_small_rows, measure_costs, resolve_auto
 from .sampling import TypicalAcceptance, accept_sampling, accept_typical, build_warpers, make_generator, sample, \
@@ -136,9 +135,7 @@ class SpeculativeGenerator:
                              "from_pretrained (costs='auto'); the constructor takes a Costs or None")
         if costs is not None and not isinstance(costs, Costs):
             raise TypeError(f"costs must be a tokenmaxx.inference.Costs or None, got {type(costs).__name__}")
-        if heads is not None:
-            heads.check_backbone(model, strict_identity=strict_identity)
-            heads = _on_backbone(heads, model)
+        heads = _on_backbone(heads, model, strict_identity)
         self.model, self.heads, self.tokenizer, self.draft = model, heads, tokenizer, draft
         self.lookup = lookup or LookupConfig()
         self.gate = gate or GateConfig()
@@ -149,14 +146,10 @@ class SpeculativeGenerator:
             raise ValueError("online adaptation trains the heads on what they serve: it needs heads drafting "
                              f"(draft='hybrid' or 'heads'), this generator drafts with {draft!r}")
         self.online = OnlineLearner(online, heads, model) if online is not None else None
-        self._use_costs(costs)
-
-    def _use_costs(self, costs: Costs | None) -> None:
         self.costs = costs
-        # how the tree verifies run here: the backbone's attention keywords and the measured small-row plan
-        self.forward = ForwardContext(attention=shared_kv_kwargs(self.model),
-                                      small_rows=costs.small_rows if costs is not None else {}, cache=self.cache,
-                                      capture=self.capture)
+        # how forwards run here: the backbone's attention keywords, the measured small-row plan, capture
+        self.runner = Runner(attention=shared_kv_kwargs(model), small_rows=costs.small_rows if costs is not None
+                             else {}, capture=self.capture)
 
     @classmethod
     def create(cls, model, heads: DraftHeads | None, tokenizer=None, tree=None, costs: Costs | str | None = AUTO,
@@ -171,19 +164,22 @@ class SpeculativeGenerator:
         calibration = Calibration.parse(tree)
         if calibration is not None and heads is None:
             raise ValueError("tree='auto' tunes the heads' trees: pass heads (or draft='lookup' without a tree)")
-        gen = cls(model, heads, tokenizer=tokenizer, tree=None if calibration is not None else tree,
-                  costs=None if costs == AUTO else costs, **kwargs)
-        heads_drafting = gen.heads if gen.draft in NEEDS_HEADS else None
+        draft, draft_vocab = kwargs.get("draft", DEFAULT_DRAFT), kwargs.get("draft_vocab", True)
+        check_draft_mode(draft, heads)
+        heads = _on_backbone(heads, model, kwargs.get("strict_identity", True))
+        heads_drafting = heads if draft in NEEDS_HEADS else None
+        # the heads' tree settings as their kind parses them
+        tree = heads.tree_settings(heads.config, None if calibration is not None else tree) \
+            if heads_drafting is not None else None
         if costs == AUTO:  # one line first, if anything is to be measured: what, why, where it is cached
-            announce_measuring(model, heads_drafting, gen.tree_settings, gen.draft_vocab)
+            announce_measuring(model, heads_drafting, tree, draft_vocab)
         # the small-row plan first: the latency of tree='auto' and of the costs is measured as the verifies will run
         plan = (cached_small_rows(model) if costs == AUTO else dict(costs.small_rows) if costs is not None else {})
-        if calibration is not None and gen.tree_settings is not None:
-            gen.tree_settings = resolve_auto(model, gen.heads, tokenizer, plan, calibration, gen.tree_settings)
+        if calibration is not None and heads_drafting is not None:
+            tree = resolve_auto(model, heads, tokenizer, plan, calibration, tree)
         if costs == AUTO:
-            gen._use_costs(measure_costs(model, heads_drafting, gen.tree_settings, gen.draft_vocab, small_rows=plan,
-                                         announce=False))
-        return gen
+            costs = measure_costs(model, heads_drafting, tree, draft_vocab, small_rows=plan, announce=False)
+        return cls(model, heads, tokenizer=tokenizer, tree=tree, costs=costs, **kwargs)
 
     @classmethod
     def from_pretrained(cls, backbone: str = DEFAULT_BACKBONE, heads: str | None = None,
@@ -208,11 +204,12 @@ class SpeculativeGenerator:
         loaded = load_heads(heads, revision=revision) if heads is not None else None
         return cls.create(model, loaded, tokenizer=tokenizer, tree=tree, **kwargs)
 
-    def make_drafter(self, capture: bool | None = None):
-        """A fresh drafter for one generation (``capture``: its heads' passes compiled; None: as the generator's)."""
+    def make_drafter(self):
+        """A fresh drafter for one generation (one row's), its heads' passes run as the generator's runner runs
+        them."""
         return make_drafter(self.draft, self.model, self.heads, DraftSettings(
             tree=self.tree_settings, lookup=self.lookup, gate=self.gate, draft_vocab=self.draft_vocab,
-            costs=self.costs, capture=self.capture if capture is None else capture))
+            costs=self.costs, passes=self.runner.passes))
 
     def describe(self) -> str:
         """What drafts, e.g. "hybrid drafting: dynamic tree, 8 nodes + prompt lookup"."""
@@ -294,41 +291,17 @@ class SpeculativeGenerator:
                 raise ValueError(f"row {i} of the batch: {err}") from None
         return rows
 
-    def _generate_rows(self, rows: list[torch.Tensor], max_new: list[int], accept, config,
-                       sample_root, recorder: Recorder | None = None) -> BatchOutput:
-        """``generate`` for a batch (``batch.batched_decode``): the rows left-padded, checked against the context
-        and the free memory first."""
-        device = self.model.get_output_embeddings().weight.device
+    def _check_rows(self, rows: list[torch.Tensor], max_new: list[int]) -> None:
+        """ValueError for a row whose prompt and new tokens exceed the backbone's context, MemoryError for a batch
+        that would not fit (``_check_memory``), before the prefill."""
         context = getattr(self.model.config, "max_position_embeddings", None)
         for i, (ids, new) in enumerate(zip(rows, max_new)):
             if context is not None and ids.shape[1] + new > context:
-                raise ValueError(f"row {i}: prompt ({ids.shape[1]} tokens) + max_new_tokens ({new}) = "
-                                 f"{ids.shape[1] + new} exceeds the backbone's context of {context} tokens")
-        width = max(ids.shape[1] for ids in rows)
-        self._check_memory(len(rows), width + max(max_new))
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-        mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-        for i, ids in enumerate(rows):
-            input_ids[i, width - ids.shape[1]:] = ids[0]
-            mask[i, width - ids.shape[1]:] = 1
-        choose_root = sample_root or (lambda logits, row: greedy_root(logits))
-        # the batch's verifies: on the growing cache, uncompiled, and (several rows) without the shared key/value
-        # heads, whose per-row masks of several rows took SDPA's slow path on a CPU (docs/benchmarks.md, "Batches")
-        forward = dataclasses.replace(self.forward, cache="dynamic", capture=False,
-                                      attention={} if len(rows) > 1 else self.forward.attention)
-        # the rows' drafters uncaptured too: their module passes run together (``drafting.propose_rows``), at shapes
-        # a captured pass would not have
-        drafters = [self.make_drafter(capture=False) for _ in rows]
-        if recorder is not None:
-            drafters = [recorder.wrap(d) for d in drafters]
-        tokens, stats = batched_decode(self.model, drafters, input_ids, mask, max_new, accept, choose_root,
-                                       eos_ids(config), forward=forward, costs=self.costs)
-        outputs = []
-        for ids, new, row_stats in zip(rows, tokens, stats.rows):
-            text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
-            sequences = torch.cat([ids, torch.tensor([new], dtype=torch.long, device=device)], dim=1)
-            outputs.append(GenerationOutput(sequences=sequences, new_tokens=new, stats=row_stats, text=text))
-        return BatchOutput(rows=outputs, stats=stats)
+                where = f"row {i}: prompt" if len(rows) > 1 else "prompt"
+                raise ValueError(f"{where} ({ids.shape[1]} tokens) + max_new_tokens ({new}) = {ids.shape[1] + new} "
+                                 f"exceeds the backbone's context of {context} tokens")
+        if len(rows) > 1:
+            self._check_memory(len(rows), max(ids.shape[1] for ids in rows) + max(max_new))
 
     def _recorded(self, rows) -> None:
         """A call's traffic, to online adaptation when it is on."""
@@ -417,9 +390,9 @@ class SpeculativeGenerator:
             warpers = build_warpers(config)
             rng = make_generator(seed, generator, device)
             if typical is not None:
-                accept = functools.partial(accept_typical, warpers=warpers, generator=rng, rule=typical)
+                accept = each_row(functools.partial(accept_typical, warpers=warpers, generator=rng, rule=typical))
             else:
-                accept = functools.partial(accept_sampling, warpers=warpers, generator=rng)
+                accept = each_row(functools.partial(accept_sampling, warpers=warpers, generator=rng))
         elif typical is not None:
             raise ValueError("typical acceptance is a sampling rule: pass do_sample=True with a temperature > 0")
         else:
@@ -427,32 +400,34 @@ class SpeculativeGenerator:
         recorder = None
         if record is not None or self.online is not None:
             recorder = Recorder(record, self.model, self.heads if self.draft in NEEDS_HEADS else None)
-        if rows is not None:
-            out = self._generate_rows(rows, per_row or [max_new_tokens] * len(rows), accept, config,
-                                      sampling and (lambda logits, row: sample(target_probs(logits, warpers), rng)),
-                                      recorder)
-            if recorder is not None:
-                self._recorded(recorder.finish(sampling))
-            if isinstance(prompt, (list, tuple)) and _kind(prompt[0]) == "text":
-                _warn_if_raw_text_ended_at_once(self.tokenizer, out.new_tokens, out.texts, eos_ids(config))
-            return out
-        input_ids = self.encode(prompt)  # [1, P] on the device: so are the sequences, as from model.generate
-        prompt_len = input_ids.shape[1]
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        if context is not None and prompt_len + max_new_tokens > context:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
-                             f"{prompt_len + max_new_tokens} exceeds the backbone's context of {context} tokens")
-        choose_root = (lambda logits: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
-        drafter = self.make_drafter() if recorder is None else recorder.wrap(self.make_drafter())
-        new_tokens, stats = speculative_decode(self.model, drafter, input_ids, max_new_tokens, accept, choose_root,
-                                               eos_ids(config), streamer=streamer, forward=self.forward, timed=timed)
+        batch = rows is not None
+        rows = rows if batch else [self.encode(prompt)]  # [1, P_b] each, on the device: so are the sequences
+        max_new = per_row or [max_new_tokens] * len(rows)
+        self._check_rows(rows, max_new)
+        width = max(ids.shape[1] for ids in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # left-padded
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        for i, ids in enumerate(rows):
+            input_ids[i, width - ids.shape[1]:], mask[i, width - ids.shape[1]:] = ids[0], True
+        choose_root = (lambda logits, row: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
+        drafters = [self.make_drafter() for _ in rows]
+        if recorder is not None:
+            drafters = [recorder.wrap(d) for d in drafters]
+        tokens, stats = decode(self.model, drafters, input_ids, max_new, accept, choose_root, eos_ids(config),
+                               attention_mask=None if len(rows) == 1 else mask, runner=self.runner, cache=self.cache,
+                               costs=self.costs, streamer=streamer, timed=timed)
         if recorder is not None:
             self._recorded(recorder.finish(sampling))
-        sequences = torch.cat([input_ids, torch.tensor([new_tokens], dtype=torch.long, device=device)], dim=1)
-        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if self.tokenizer is not None else None
-        if isinstance(prompt, str):
-            _warn_if_raw_text_ended_at_once(self.tokenizer, [new_tokens], [text], eos_ids(config))
-        return GenerationOutput(sequences=sequences, new_tokens=new_tokens, stats=stats, text=text)
+        outputs = []
+        for ids, new, row_stats in zip(rows, tokens, stats.rows):
+            text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
+            sequences = torch.cat([ids, torch.tensor([new], dtype=torch.long, device=device)], dim=1)
+            outputs.append(GenerationOutput(sequences=sequences, new_tokens=new, stats=row_stats, text=text))
+        texts = prompt if batch else [prompt]
+        if isinstance(texts, (list, tuple)) and _kind(texts[0]) == "text":
+            _warn_if_raw_text_ended_at_once(self.tokenizer, [o.new_tokens for o in outputs],
+                                            [o.text for o in outputs], eos_ids(config))
+        return BatchOutput(rows=outputs, stats=stats) if batch else outputs[0]
 
 
 def _size(size: float) -> str:
@@ -476,8 +451,12 @@ def _kind(prompt) -> str | None:
     return None
 
 
-def _on_backbone(heads: DraftHeads, model) -> DraftHeads:
-    """The heads in eval mode on the backbone's device and in its dtype (the lm_head's)."""
+def _on_backbone(heads: DraftHeads | None, model, strict_identity: bool = True) -> DraftHeads | None:
+    """The heads, checked against the backbone (``DraftHeads.check_backbone``), in eval mode on its device and in its
+    dtype (the lm_head's)."""
+    if heads is None:
+        return None
+    heads.check_backbone(model, strict_identity=strict_identity)
     weight = model.get_output_embeddings().weight
     return heads.to(device=weight.device, dtype=weight.dtype).eval()
 

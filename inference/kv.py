@@ -1,93 +1,316 @@
-"""A preallocated KV cache for speculative rounds: trees padded to a few sizes, the accepted path committed in place.
+"""The backbone's KV cache for the rows of a generation: one interface (``KV``), a growing and a preallocated layout.
 
-With transformers' ``DynamicCache`` (``decoding.verify`` / ``decoding.commit`` on it) every verify appends N entries
-and the commit crops back, so each round's forward sees new shapes: fine in eager mode, and the CPU's default. A
-captured forward (a CUDA graph: one launch for the ~1,000 kernels of a small backbone's forward) needs fixed shapes
-and fixed addresses instead. ``StaticKV`` gives both:
+Layout (both): the prompts are left-padded, so after the prefill every row's entries end at the same index W; from
+then on each row keeps its own length L_b. A round writes every row's tree at the common end W = max L_b, then each
+row gathers its accepted path to L_b..L_b+m_b and the end moves to the new max L_b. A row that accepted less than the
+longest holds stale entries between its L_b and W ("holes"): ``live`` [R, W] marks each row's live entries, and the
+verify mask lets a node see exactly its row's live prefix and its own ancestors. Position ids are per row (its tokens
+so far, plus the node's depth), so a row computes what it would alone. Holes were chosen over compacting every row to a
+common length each round (a copy of the whole cache per round, or per-row shifts of it) because they cost nothing but
+mask columns: at most the spread of the rows' accepted lengths since the last crop. One row never has holes.
 
-- the cache is transformers' ``StaticCache`` (its layers' key/value tensors allocated once for ``max_len``
-  positions, written where each layer's ``cumulative_length`` points);
-- a tree of N nodes is verified padded to ``bucket(N, BUCKETS)``, the smallest of a few sizes: the padding nodes see
-  only the prefix and themselves and no real node sees them, so the real nodes' logits are those of the unpadded
-  tree; the attention mask spans the whole cache ([1, 1, B, max_len]), hiding every position past the tree;
-- ``commit`` gathers the accepted path's entries to the positions after the prefix and sets the write position
-  there; stale entries past it stay, masked, until the next verify overwrites them.
+The padding rule, for every tree of every layout: trees are padded to a common node count (and a static cache's
+bucket), and a padding node sees only itself, so no real node sees it and it changes no real node's logits.
 
-A forward over a ``StaticKV`` is then one of len(BUCKETS) shapes, which ``forward.ForwardContext(capture=True)``
-compiles once each (``torch.compile(mode="reduce-overhead")``: CUDA graphs).
+- ``GrowingKV``: transformers' ``DynamicCache``; a verify appends its nodes and the commit crops back to the end, so
+  every forward has new shapes (fine eagerly; the CPU's default). A finished row is dropped from the cache.
+- ``StaticKV``: transformers' ``StaticCache``, allocated once for ``max_len`` positions (at fixed addresses, reused by
+  the thread's next generation of as many rows while it fits, ``open_kv``); trees padded to ``bucket(N, buckets)``,
+  the mask spanning the whole cache, the write position set instead of cropping. A finished row stays as a padding
+  row (one node that sees itself), so every verify has one of len(buckets) shapes, which a captured forward
+  (``runner.Runner``) compiles once each. The accelerator's default.
+
+Letters: B rows of the cache, R active rows, N tree nodes, W the common end, F features the drafter reads.
 """
 
 from __future__ import annotations
 
+import inspect
+import threading
 import weakref
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
-from tokenmaxx.heads.capture import bucket
+from tokenmaxx.heads.modeling import backbone_features
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tree sizes a verify is padded to (a multiple of the last past it)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tree sizes a static cache's verify is padded to (then multiples)
 # ... when the verify is captured: each size is one more compile, while a GPU forward of a few dozen tokens is bound by
 # its launches rather than its arithmetic, so coarse padding costs little (the device check measures the curve)
 CAPTURE_BUCKETS = (16, 64, 256)
+MIN_STATIC = 1024  # the smallest static cache (positions): most generations fit it, so one shape serves them
+MIN_CAPTURED = 4096  # ... when its forwards are captured: each cache length is another graph per bucket (a compile),
+# and prompts of a few thousand tokens are common; the price is each verify attending over the whole cache
+CACHES = ("dynamic", "static")
+_POOL = threading.local()  # .static: this thread's last StaticCache (``open_kv``), with its model, rows and buckets
 
 
-class StaticKV:
-    """The backbone's KV cache for one generation, preallocated (see the module docstring).
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    """The size ``n`` rows (tree nodes, queries) are padded to: the smallest of ``sizes`` (increasing) that holds
+    them; past the largest, the next multiple of the largest. Each size is one graph of a captured call."""
+    for size in sizes:
+        if n <= size:
+            return size
+    return -(-n // sizes[-1]) * sizes[-1]
 
-    ``max_len``: positions it holds: the prompt, the new tokens and the largest padded tree beyond them."""
 
-    def __init__(self, model, max_len: int, buckets: tuple[int, ...] = BUCKETS):
+def last_logits_only(model, prompt_len: int) -> dict:
+    """Prefill keyword that has the backbone project only the last prompt position onto the vocabulary.
+
+    An index tensor rather than the int ``logits_to_keep=1``: the int slices a [1, 1, H] view with the prompt's batch
+    stride, which torch on CPU projects through a slow path with frozen weights; indexing makes a fresh tensor
+    (docs/benchmarks.md, "Why the defaults are what they are"). Models without ``logits_to_keep`` get every position.
+    """
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"logits_to_keep": torch.tensor([prompt_len - 1], device=model.get_output_embeddings().weight.device)}
+
+
+class KV:
+    """The cache of one generation's B rows (see the module docstring): ``prefill``, ``tree_inputs`` of a round's
+    trees, ``commit`` of the accepted paths, ``drop`` of finished rows. ``end``: W, the longest row's length."""
+
+    buckets: tuple[int, ...] | None = None  # sizes a verify's trees are padded to (None: their own)
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.active = list(range(rows))  # the cache row of each row still generating
+        self._index: torch.Tensor | None = None  # ``active`` on the device; None: every cache row, in order
+        self.live: torch.Tensor | None = None  # [R, W] bool: each active row's live entries
+        self.ends: list[int] = []  # per active row: L_b
+        self.positions: list[int] = []  # per active row: the position id of its root (its tokens so far)
+        self.cache = None
+
+    @property
+    def end(self) -> int:
+        return max(self.ends)
+
+    def layers(self):
+        return self.cache.layers
+
+    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]],
+                feature_layers) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts' forwards: input_ids and attention_mask [B, T] left-padded, in ``groups`` of rows (one
+        forward each, padded to its own longest prompt; ``loop.prefill_groups``), stored left-padded to the longest
+        prompt W. Returns the features [B, W, F] and the last position's logits [B, V]."""
+        rows, total = input_ids.shape
+        lengths = attention_mask.sum(1)
+        width = int(lengths.max())
+        parts = []
+        for group in groups:
+            index = torch.tensor(group, device=input_ids.device)
+            own = int(lengths[index].max())  # the group's longest prompt
+            ids, mask = input_ids[index, total - own:], attention_mask[index, total - own:]
+            padded = {} if bool(mask.all()) else {  # (an unpadded group: the backbone's own causal forward)
+                "attention_mask": mask.long(), "position_ids": (mask.long().cumsum(1) - 1).clamp(min=0)}
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True, **padded,
+                        **last_logits_only(model, own))
+            parts.append((index, own, cache, backbone_features(out.hidden_states, feature_layers), out.logits[:, -1]))
+        self._store(model, parts, width)
+        self.live = attention_mask[:, total - width:].bool()
+        self.ends, self.positions = [width] * rows, lengths.tolist()
+        if len(parts) == 1:
+            return parts[0][3], parts[0][4]
+        hidden = parts[0][3].new_zeros(rows, width, parts[0][3].shape[-1])
+        logits = parts[0][4].new_empty(rows, parts[0][4].shape[-1])
+        for index, own, _, features, last in parts:
+            hidden[index, width - own:], logits[index] = features, last
+        return hidden, logits
+
+    def _store(self, model, parts: list, width: int) -> None:
+        """The groups' caches as this cache's first W entries (zeros in the padding: masked, never read)."""
+        for layer_idx, layer in enumerate(self._allocate(model, parts, width)):
+            for index, own, part, _, _ in parts:
+                done = part.layers[layer_idx]
+                layer.keys[index, :, width - own: width] = done.keys
+                layer.values[index, :, width - own: width] = done.values
+        self._set_end(width)
+
+    def tree_inputs(self, tokens: torch.Tensor, depths: torch.Tensor, tree: torch.Tensor, real: torch.Tensor | None,
+                    dtype: torch.dtype) -> dict:
+        """Keywords of the verify forward of the active rows' trees (``decoding.layout``: tokens and depths [R, N],
+        tree [R, N, N] bool, a node's ancestors and itself, ``real`` [R, N] bool its real nodes, None: all), written at
+        the end W: input_ids and position_ids [B, N'], an additive attention_mask [B, 1, N', C], the cache; N' the
+        padded node count, C the columns the cache attends over. Copies nothing from the host for one row."""
+        rows, n = tokens.shape
+        size = n if self.buckets is None else bucket(n, self.buckets)
+        common, device = self.end, tokens.device
+        columns = self._columns(common + size)
+        active = slice(None) if self._index is None else self._index
+        visible = torch.zeros(self.cache_rows, size, columns, dtype=torch.bool, device=device)
+        own = torch.arange(size, device=device)
+        visible[:, own, common + own] = True  # every node sees itself (a padding node: only itself)
+        visible[active, :n, :common] = self.live[:, None, :] if real is None else self.live[:, None, :] & real[..., None]
+        visible[active, :n, common: common + n] |= tree
+        ids = torch.zeros(self.cache_rows, size, dtype=torch.long, device=device)
+        ids[active, :n] = tokens
+        position_ids = torch.zeros_like(ids)
+        position_ids[active, :n] = (self.positions[0] + depths if rows == 1 else  # (one row: no copy from the host)
+                                    torch.tensor(self.positions, device=device)[:, None] + depths)
+        mask = torch.zeros(self.cache_rows, 1, size, columns, dtype=dtype, device=device)
+        mask.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+        self._write_at(common)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "past_key_values": self.cache}
+
+    def select(self, out: torch.Tensor) -> torch.Tensor:
+        """A verify's output [B, ...] at the active rows [R, ...]."""
+        return out if self._index is None else out.index_select(0, self._index)
+
+    def commit(self, paths: list[list[int]], nodes: list[torch.Tensor]) -> None:
+        """Each active row keeps its accepted path (``paths``: node indices root first, ``nodes`` the same on the
+        device) from its tree at W to its own end L_b, in one copy for all rows and layers' entries."""
+        common, device = self.end, self.live.device
+        new_ends = [end + len(path) for end, path in zip(self.ends, paths)]
+        moved = [i for i, (end, path) in enumerate(zip(self.ends, paths)) if end != common or path != list(
+            range(len(path)))]  # (a chain prefix at the end is already in place)
+        if moved:
+            rows = torch.cat([torch.full((len(paths[i]),), self.active[i], device=device) for i in moved])
+            dst = torch.cat([torch.arange(self.ends[i], new_ends[i], device=device) for i in moved])
+            src = torch.cat([common + nodes[i] for i in moved])
+            for layer in self.layers():
+                layer.keys[rows, :, dst] = layer.keys[rows, :, src]  # (the right side is gathered before it is written)
+                layer.values[rows, :, dst] = layer.values[rows, :, src]
+        longest = max(new_ends)
+        live = torch.zeros(len(paths), longest, dtype=torch.bool, device=device)
+        live[:, :min(common, longest)] = self.live[:, :longest]
+        for i, (end, new_end) in enumerate(zip(self.ends, new_ends)):
+            live[i, end:new_end] = True
+        self.live, self.ends = live, new_ends
+        self.positions = [p + len(path) for p, path in zip(self.positions, paths)]
+        self._set_end(longest)
+
+    def drop(self, keep: list[int]) -> None:
+        """Only the active rows ``keep`` (indices among the active rows) go on."""
+        self.ends, self.positions = [self.ends[i] for i in keep], [self.positions[i] for i in keep]
+        self.live = self.live[torch.tensor(keep, device=self.live.device), :self.end]
+        self._drop(keep)
+        self._set_end(self.end)
+
+    @property
+    def cache_rows(self) -> int:
+        return len(self.active)
+
+    # ---- the layout's own --------------------------------------------------------------------------------------------
+    def _allocate(self, model, parts: list, width: int):
+        raise NotImplementedError
+
+    def _columns(self, needed: int) -> int:
+        """The entries a verify that needs ``needed`` attends over."""
+        raise NotImplementedError
+
+    def _write_at(self, position: int) -> None:
+        """Where the next forward writes."""
+
+    def _set_end(self, end: int) -> None:
+        raise NotImplementedError
+
+    def _drop(self, keep: list[int]) -> None:
+        raise NotImplementedError
+
+
+class GrowingKV(KV):
+    """``DynamicCache`` rows: a verify appends its nodes, a commit crops back, a finished row leaves the cache."""
+
+    def _allocate(self, model, parts: list, width: int):
+        if len(parts) == 1:  # one forward for every row: its cache is this one
+            self.cache = parts[0][2]
+            return []
+        self.cache = DynamicCache(config=model.config)
+        for layer_idx, layer in enumerate(parts[0][2].layers):
+            keys, values = layer.keys, layer.values
+            self.cache.update(keys.new_zeros(self.rows, keys.shape[1], width, keys.shape[-1]),
+                              values.new_zeros(self.rows, values.shape[1], width, values.shape[-1]), layer_idx)
+        return self.cache.layers
+
+    def _columns(self, needed: int) -> int:
+        return needed
+
+    def _set_end(self, end: int) -> None:
+        if self.cache.get_seq_length() > end:  # (crop takes a negative count)
+            self.cache.crop(end - self.cache.get_seq_length())
+
+    def _drop(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, device=self.live.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        self.active = list(range(len(keep)))
+
+
+class StaticKV(KV):
+    """``StaticCache`` rows, preallocated for ``max_len`` positions: trees padded to ``buckets``, finished rows kept as
+    padding rows, so a verify has one of a few shapes."""
+
+    def __init__(self, rows: int, cache: StaticCache, buckets: tuple[int, ...] = BUCKETS):
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive sizes, got {buckets!r}")
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.max_len, self.buckets = max_len, tuple(buckets)
-        self.model_ref = weakref.ref(model)  # which backbone's cache this is
+        super().__init__(rows)
+        self.cache, self.buckets = cache, tuple(buckets)
+        self.max_len = cache.layers[0].max_cache_len
 
-    def write_at(self, position: int) -> None:
-        """Where the next forward writes its keys and values (every layer); after the prefill, the prompt's
-        length."""
+    @property
+    def cache_rows(self) -> int:
+        return self.rows
+
+    def _allocate(self, model, parts: list, width: int):
+        return self.cache.layers
+
+    def _columns(self, needed: int) -> int:
+        if needed > self.max_len:
+            raise ValueError(f"a verify of {needed - self.end} nodes after {self.end} positions overruns the static "
+                             f"cache of {self.max_len}")
+        return self.max_len
+
+    def _write_at(self, position: int) -> None:
         for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(position)
+            layer.cumulative_length.fill_(position)
 
-    def prefill_inputs(self) -> dict:
-        """Keywords of the prompt's forward (the model builds its causal mask over the whole cache)."""
-        self.write_at(0)
-        return {"past_key_values": self.cache}
+    def _set_end(self, end: int) -> None:
+        self._write_at(end)
 
-    def tree_inputs(self, tokens: torch.Tensor, depths: torch.Tensor, attn_mask: torch.Tensor, prefix_len: int,
-                    dtype: torch.dtype) -> dict:
-        """Keywords of the verify forward of a tree of N nodes after ``prefix_len`` cached positions, padded to its
-        bucket B: input_ids [1, B], attention_mask [1, 1, B, max_len] additive, position_ids [1, B], the cache.
-        tokens, depths [N] and attn_mask [N, N] on the cache's device."""
-        n = tokens.shape[0]
-        size = bucket(n, self.buckets)
-        if prefix_len + size > self.max_len:
-            raise ValueError(f"a tree of {n} nodes (verified as {size}) after {prefix_len} positions overruns the "
-                             f"static cache of {self.max_len}")
-        device = tokens.device
-        pad = size - n
-        mask = torch.full((1, 1, size, self.max_len), torch.finfo(dtype).min, dtype=dtype, device=device)
-        mask[..., :prefix_len] = 0.0
-        tree = mask[0, 0, :, prefix_len: prefix_len + size]  # [B, B] a view: the tree's own block
-        tree[:n, :n].masked_fill_(attn_mask, 0.0)
-        if pad:  # padding nodes see the prefix and themselves
-            tree[n:, n:].masked_fill_(torch.eye(pad, dtype=torch.bool, device=device), 0.0)
-            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-            depths = torch.cat([depths, depths.new_zeros(pad)])
-        self.write_at(prefix_len)
-        return {"input_ids": tokens[None], "attention_mask": mask, "position_ids": (prefix_len + depths)[None],
-                "past_key_values": self.cache}
+    def _drop(self, keep: list[int]) -> None:
+        self.active = [self.active[i] for i in keep]
+        self._index = torch.tensor(self.active, device=self.live.device)
 
-    def commit(self, prefix_len: int, nodes: torch.Tensor, path: list[int]) -> int:
-        """Keep the accepted path's entries: gather them to positions P..P+m and write from there next. nodes [m+1]
-        on the cache's device, ``path`` the same as a list. Returns P + m + 1."""
-        keep = prefix_len + len(path)
-        if path != list(range(len(path))):  # a chain prefix is already in place
-            src = prefix_len + nodes
-            for layer in self.cache.layers:
-                layer.keys[:, :, prefix_len:keep] = layer.keys.index_select(2, src)
-                layer.values[:, :, prefix_len:keep] = layer.values.index_select(2, src)
-        self.write_at(keep)
-        return keep
+
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def open_kv(model, kind: str, rows: int, positions: int, captured: bool = False) -> KV:
+    """The cache of a generation of ``rows`` rows of up to ``positions`` positions each (prompt, new tokens, the
+    largest padded tree): the one place a layout is chosen. ``kind``: "dynamic" (``GrowingKV``) or "static"
+    (``StaticKV``); ``captured``: its verifies are captured (a static cache, padded to ``CAPTURE_BUCKETS``).
+
+    A static cache is this thread's last one when it is for ``model``, as many rows and these tree sizes and large
+    enough (whichever generator made it: a thread runs one generation at a time), else a new one of the next power of
+    two positions (at least ``MIN_STATIC``, ``MIN_CAPTURED`` when captured; at most the one that holds the model's
+    context): one address and one mask width, so a captured forward is recorded once, not per prompt length."""
+    if kind not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, got {kind!r}")
+    if captured and kind != "static":
+        raise ValueError("a captured verify needs cache='static': a captured forward runs at fixed shapes")
+    if kind == "dynamic":
+        return GrowingKV(rows)
+    buckets = CAPTURE_BUCKETS if captured else BUCKETS
+    pooled = getattr(_POOL, "static", None)
+    if pooled is None or pooled[0]() is not model or pooled[1:3] != (rows, buckets) or pooled[3].layers[
+            0].max_cache_len < positions:
+        length = max(MIN_CAPTURED if captured else MIN_STATIC, _power_of_two(positions))
+        context = getattr(model.config, "max_position_embeddings", None)  # (no generation needs more)
+        if context:
+            length = min(length, _power_of_two(max(context, positions)))
+        pooled = _POOL.static = (weakref.ref(model), rows, buckets, static_cache(model, rows, length))
+    return StaticKV(rows, pooled[3], buckets)
+
+
+def static_cache(model, rows: int, length: int) -> StaticCache:
+    """A ``StaticCache`` of ``rows`` rows and ``length`` positions for ``model``'s layers, allocated on its device in
+    its dtype."""
+    config, weight = model.config, model.get_output_embeddings().weight
+    heads = config.num_attention_heads
+    cache = StaticCache(config=config, max_cache_len=length)
+    cache.early_initialization(rows, getattr(config, "num_key_value_heads", None) or heads,
+                               getattr(config, "head_dim", None) or config.hidden_size // heads, weight.dtype,
+                               weight.device)
+    return cache

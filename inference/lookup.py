@@ -159,6 +159,9 @@ class LookupDrafter:
     def describe(self) -> str:
         return "prompt lookup"
 
+    def share_forward(self, rows: int) -> None:
+        """(Its branches are as long whatever a forward verifies beside them.)"""
+
     def start(self, prefill: Prefill) -> None:
         self.index = NgramIndex(self.config.max_ngram)
         self.index.extend(prefill.input_ids.tolist() + [prefill.root])

@@ -1,29 +1,36 @@
-"""The decode loop: prefill, then rounds of draft -> verify -> accept -> commit -> observe.
+"""The decode loop, one for one prompt and for many: prefill, then rounds of draft -> verify -> accept -> commit ->
+observe over the rows still generating (one prompt is a batch of one row).
 
-``speculative_decode`` drives any drafter (``drafting.Drafter``) with any acceptance rule (``decoding.accept_greedy``
-or a sampling rule from ``sampling.py``) and returns the new tokens with the generation's statistics. It owns the
-backbone's KV cache and rolls it back explicitly (``decoding.commit``). ``SpeculativeGenerator`` (``generator.py``)
-is the user-facing wrapper: inputs, generation config, sampling, output.
+``decode`` drives one drafter per row (any ``drafting.Drafter``) with one acceptance rule for the batch
+(``decoding.accept_greedy``, or a sampling rule per row through ``decoding.each_row``) and returns each row's new
+tokens with the statistics. Every row drafts its own tree, ONE backbone forward verifies all of them, each row
+accepts and commits its own length; each row's tokens are what it would get alone. The cache (``kv.open_kv``: growing
+or static) holds the rows' layout; the runner (``runner.Runner``) how a forward runs on this machine; ``costs``
+(``costs.Costs``) what was measured of it. A row that finishes (EOS, its ``max_new_tokens``) leaves the batch.
 
-Letters: P prompt tokens, N tree nodes, V vocabulary, H hidden size.
+The prefill runs in groups of rows of similar prompt length where the measured latency says padding costs time
+(``prefill_groups``). The rows' proposals run in lockstep (``drafting.propose_rows``): each tree level of every row's
+draft is one module pass for the batch. With a measured latency the batch's load decides each round whether the rows
+draft at all (``LoadGate``), and each row's drafter is told how many rows share its forwards (``share_forward``).
+``SpeculativeGenerator`` (``generator.py``) is the user-facing wrapper: inputs, generation config, sampling, output.
+
+Letters: B rows, T padded prompt length, N tree nodes, V vocabulary, F features the drafter reads.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
-from tokenmaxx.heads.drafting import SOURCE_NAMES, Outcome, Prefill
-from tokenmaxx.heads.modeling import backbone_features
-
-from .decoding import Accepted, commit, verify
-from .forward import ForwardContext
-from .kv import StaticKV
+from tokenmaxx.heads.drafting import SOURCE_NAMES, Outcome, Prefill, propose_rows
 from tokenmaxx.heads.machine import clock, reads_are_free
+
+from .costs import Costs, VerifyLatency, interpolate
+from .decoding import Accept, commit, verify
+from .kv import open_kv
+from .runner import Runner
 
 PHASES = ("propose", "verify", "accept", "commit")
 STATIC_MARGIN = 512  # positions a static cache holds past the prompt and the new tokens: the largest padded tree
@@ -31,29 +38,28 @@ STATIC_MARGIN = 512  # positions a static cache holds past the prompt and the ne
 
 class Throughput:
     """``wall_seconds`` and ``tokens_per_s`` of statistics that count ``prefill_seconds``, ``decode_seconds`` and
-    ``new_tokens``; None where those times were not measured (a batch's rows: the batch is timed as a whole)."""
+    ``new_tokens``."""
 
     @property
-    def wall_seconds(self) -> float | None:
-        if self.prefill_seconds is None or self.decode_seconds is None:
-            return None
+    def wall_seconds(self) -> float:
         return self.prefill_seconds + self.decode_seconds
 
     @property
-    def tokens_per_s(self) -> float | None:
+    def tokens_per_s(self) -> float:
         wall = self.wall_seconds
-        if wall is None:
-            return None
         return self.new_tokens / wall if wall else 0.0
 
 
 @dataclass
 class GenerationStats(Throughput):
+    """One row's statistics. Its times are those of the batch's rounds it took part in: ``prefill_seconds`` the
+    batch's prefill, ``decode_seconds`` from the first round until the row finished."""
+
     steps: int = 0  # speculative rounds (backbone forwards after the prefill)
     new_tokens: int = 0
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tau -> number of rounds
-    prefill_seconds: float | None = 0.0  # None: not measured (a batch's row; the batch's own stats time it)
-    decode_seconds: float | None = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
     phase_seconds: dict[str, float] | None = field(  # decode time by step; "commit" includes the drafter's observe;
         default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # None when the rounds were not timed
     accepted_by_source: dict[str, int] = field(  # accepted candidates by who drafted them (bonus tokens excluded)
@@ -61,7 +67,7 @@ class GenerationStats(Throughput):
     heads_skipped: int = 0  # rounds the heads sat out because they were not paying (budget.HeadsGate): lookup alone
     # drafted them (hybrid), or the root alone was verified (heads on measured costs)
     verified_nodes: int = 0  # tree nodes verified over the rounds (a round that drafted nothing: 1, the root)
-    timed: bool = True  # whether ``phase_seconds`` were measured (``speculative_decode``'s ``timed``)
+    timed: bool = True  # whether ``phase_seconds`` were measured (``decode``'s ``timed``)
     _by_source: torch.Tensor | None = field(default=None, repr=False)  # accepted candidates per source bits, counted
     # on the device until ``finish``
 
@@ -110,11 +116,103 @@ class GenerationStats(Throughput):
                 "verified_nodes": self.verified_nodes}
 
 
-Accept = Callable[[torch.Tensor, torch.Tensor, object], Accepted]  # (tokens [N], logits [N, V], buffers)
+@dataclass
+class BatchStats(Throughput):
+    """Statistics of a generation: per row (``rows``, a ``GenerationStats`` each), and the batch's own forwards and
+    time."""
+
+    rows: list[GenerationStats]
+    forwards: int = 0  # backbone forwards after the prefill (each verifies every active row's tree)
+    drafting_forwards: int = 0  # of those, the rounds whose rows drafted (the others: plain batched decoding)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    active_per_forward: list[int] = field(default_factory=list)  # rows still generating at each forward
+    nodes_per_forward: list[int] = field(default_factory=list)  # each forward's tree size per row (the largest row's)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(r.new_tokens for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"rows": [r.to_dict() for r in self.rows], "forwards": self.forwards,
+                "drafting_forwards": self.drafting_forwards, "new_tokens": self.new_tokens,
+                "mean_nodes": sum(self.nodes_per_forward) / max(self.forwards, 1),
+                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                "wall_seconds": self.wall_seconds, "tokens_per_s": self.tokens_per_s}
 
 
-def greedy_root(logits: torch.Tensor) -> int:
-    """The backbone's greedy choice from last-position logits [V]."""
+@dataclass
+class LoadGate:
+    """Whether a round of the batch drafts at all, on the measured costs.
+
+    A drafting round of R rows verifies about ``nodes`` nodes a row and runs the rows' proposals (together,
+    ``drafting.propose_rows``): it yields R x tau tokens in verify(R x nodes) + propose(R) seconds; a plain round
+    yields R tokens in verify(R). Drafting goes on while it is the faster of the two by these running means (decayed,
+    from the batch's drafting rounds; an optimistic start drafts the first rounds); otherwise the round is plain
+    batched decoding, except one that drafts to keep the means current: ``explore_every`` plain rounds after drafting
+    last won, then twice as many after each exploration that did not win it back, up to ``max_interval``. One row
+    always drafts: its drafter's per-round budget weighs the same costs node by node (``budget.BudgetDrafter``, down
+    to the root alone). The time of a round comes from the latency table, never a clock, so a seeded generation
+    repeats itself."""
+
+    latency: VerifyLatency
+    # seconds of a round's proposals by rows (``Costs.propose_time``)
+    propose: Callable[[int], float] = lambda rows: 0.0
+    decay: float = 0.8
+    explore_every: int = 8
+    max_interval: int = 64
+    tau: float = 2.0  # decayed mean tokens a row per drafting round
+    nodes: float = 4.0  # decayed mean nodes a row per drafting round (the forward's: every row padded to the largest)
+    _plain: int = 0  # plain rounds since the last drafting one
+    _interval: int = 0  # plain rounds before the next exploration (0: explore_every)
+
+    def draft(self, rows: int, prefix_len: int) -> bool:
+        if rows == 1:
+            return True
+        table = self.latency.at(prefix_len)
+        drafting = rows * self.tau / (interpolate(table, rows * self.nodes) + self.propose(rows))
+        plain = rows / interpolate(table, rows)
+        interval = self._interval or self.explore_every
+        if drafting >= plain:
+            self._plain, self._interval = 0, self.explore_every
+            return True
+        if self._plain + 1 >= interval:  # an exploration; the next one waits longer unless drafting wins meanwhile
+            self._plain, self._interval = 0, min(2 * interval, max(self.max_interval, self.explore_every))
+            return True
+        self._plain += 1
+        return False
+
+    def update(self, tau: float, nodes: float) -> None:
+        """After a drafting round: its tokens a row and the nodes it verified a row (the largest row's)."""
+        self.tau = self.decay * self.tau + (1 - self.decay) * tau
+        self.nodes = self.decay * self.nodes + (1 - self.decay) * nodes
+
+
+def prefill_groups(lengths: Sequence[int], latency: dict[int, float] | None) -> list[list[int]]:
+    """The rows' prefills as groups of rows, each one left-padded forward: the grouping of the rows sorted by length
+    whose forwards cost least on ``latency`` (seconds per token count, ``VerifyLatency.at``; a group of g rows padded
+    to its longest prompt L costs what g x L tokens cost, extrapolated past the measured sizes). Where a forward's
+    cost grows with its tokens (a CPU), rows of very different lengths get their own forwards instead of paying for
+    the padding; where it stays flat (a GPU's small batches), one forward holds them all. None: one forward for all
+    rows, as the model computes a batch."""
+    if latency is None or len(lengths) == 1:
+        return [list(range(len(lengths)))]
+    order = sorted(range(len(lengths)), key=lambda b: lengths[b])
+    ordered = [lengths[b] for b in order]
+    best, cut = [0.0], [0]  # best[i]: the cheapest prefill of the i shortest rows; cut[i]: where its last group starts
+    for i in range(1, len(order) + 1):
+        choice = min(range(i), key=lambda j: best[j] + interpolate(latency, (i - j) * ordered[i - 1]))
+        best.append(best[choice] + interpolate(latency, (i - choice) * ordered[i - 1]))
+        cut.append(choice)
+    groups, end = [], len(order)
+    while end:
+        groups.append(sorted(order[cut[end]:end]))
+        end = cut[end]
+    return groups[::-1]
+
+
+def greedy_root(logits: torch.Tensor, row: int = 0) -> int:
+    """The backbone's greedy choice from a row's last-position logits [V]."""
     return int(logits.argmax())
 
 
@@ -124,82 +222,112 @@ def eos_ids(generation_config) -> set[int]:
     return set([eos] if isinstance(eos, int) else (eos or []))
 
 
-def speculative_decode(model, drafter, input_ids: torch.Tensor, max_new_tokens: int, accept: Accept,
-                       choose_root: Callable[[torch.Tensor], int], eos: set[int], streamer=None,
-                       forward: ForwardContext | None = None,
-                       timed: bool | None = None) -> tuple[list[int], GenerationStats]:
-    """Generate up to ``max_new_tokens`` after ``input_ids`` [1, P] (stopping after an EOS id); returns the new
-    tokens and the statistics. ``choose_root`` picks the first token from the prefill's last logits [V];
-    ``forward``: how the tree verifies run on this machine (``forward.ForwardContext``; None: as the model is). Runs
-    on the backbone's device (``input_ids`` is moved there); every time in the statistics waits for it first
-    (``heads.machine.clock``). ``timed``: whether each round's phases are timed (four waits for the device a
-    round); None: where that costs nothing (``heads.machine.reads_are_free``). Prefill and decode are always timed.
+def decode(model, drafters: Sequence, input_ids: torch.Tensor, max_new_tokens: int | Sequence[int], accept: Accept,
+           choose_root: Callable[[torch.Tensor, int], int], eos: set[int], attention_mask: torch.Tensor | None = None,
+           runner: Runner | None = None, cache: str = "dynamic", costs: Costs | None = None, streamer=None,
+           timed: bool | None = None) -> tuple[list[list[int]], BatchStats]:
+    """Generate for B prompts at once: input_ids [B, T] (left-padded where ``attention_mask`` [B, T] marks each row's
+    tokens; None: every token), one drafter per row, each row's ``max_new_tokens`` (or one for all);
+    ``choose_root(logits [V], row)`` picks a row's first token. Stops a row after an EOS id. Returns each row's new
+    tokens and the statistics. ``runner``: how forwards run here (None: as the model is); ``cache``: the KV layout
+    ("dynamic" or "static", ``kv.open_kv``); ``costs``: this machine's measured costs (the batch's load gate, the
+    prefill's groups; None: every round drafts, one prefill forward). A ``streamer`` takes one row: the prompt, then
+    each round's tokens, as from ``model.generate``. ``timed``: whether each round's phases are timed (four waits for
+    the device a round); None: where that costs nothing (``heads.machine.reads_are_free``). Prefill and decode are
+    always timed.
 
-    A greedy round reads back from the device once (its accepted length, path and tokens), plus what the drafter
-    reads (none for the sequential kinds' trees on an accelerator; tests/test_round.py counts them)."""
+    A greedy round reads back from the device once for all rows (their accepted lengths, paths and tokens), plus what
+    the drafters read (none for the sequential kinds' trees on an accelerator; tests/test_round.py counts them)."""
+    rows = input_ids.shape[0]
+    news = [max_new_tokens] * rows if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(drafters) != rows or len(news) != rows:
+        raise ValueError(f"{rows} rows need {rows} drafters and max_new_tokens, got {len(drafters)} and {len(news)}")
+    if streamer is not None and rows != 1:
+        raise ValueError(f"a streamer takes one prompt; this generation has {rows} rows")
     device = model.get_output_embeddings().weight.device
     timed = reads_are_free(device) if timed is None else timed
-    stats = GenerationStats(timed=timed)
+    runner = runner or Runner()
+    stats = BatchStats(rows=[GenerationStats(timed=timed) for _ in range(rows)])
     if streamer is not None:  # a streamer gets CPU tensors, as from model.generate
         streamer.put(input_ids.cpu())
     input_ids = input_ids.to(device)
-    start = clock(device)
-    forward = forward or ForwardContext()
-    kv = forward.static_cache(model, input_ids.shape[1] + max_new_tokens + STATIC_MARGIN) \
-        if forward.cache == "static" else None
-    cache, prefill = _prefill(model, input_ids, choose_root, drafter.feature_layers, kv)
-    drafter.start(prefill)
-    root, prefix_len, new_tokens = prefill.root, input_ids.shape[1], [prefill.root]
-    stats.prefill_seconds = clock(device) - start
-    if streamer is not None:
-        streamer.put(torch.tensor([root], device="cpu"))
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    feature_layers = drafters[0].feature_layers
 
     start = clock(device)
+    lengths = mask.sum(1).tolist()  # real prompt tokens per row
+    table = costs.latency.at(0) if costs is not None and costs.latency else None
+    kv = open_kv(model, cache, rows, max(lengths) + max(news) + STATIC_MARGIN, captured=runner.capture)
+    hidden, last = kv.prefill(model, input_ids, mask, prefill_groups(lengths, table), feature_layers)
+    roots = [choose_root(last[b], b) for b in range(rows)]
+    width, total = hidden.shape[1], input_ids.shape[1]
+    for b, drafter in enumerate(drafters):
+        drafter.start(Prefill(input_ids=input_ids[b, total - lengths[b]:], hidden=hidden[b, width - lengths[b]:],
+                              root=roots[b]))
+    stats.prefill_seconds = clock(device) - start
+    if streamer is not None:
+        streamer.put(torch.tensor(roots, device="cpu"))
+
+    new_tokens = [[root] for root in roots]
+    active, load = list(range(rows)), 0  # the rows still generating (by their index in the inputs); their count
+    gate = LoadGate(costs.latency, costs.propose_time) if costs is not None and costs.latency else None
     tick = (lambda times: times.append(clock(device))) if timed else (lambda times: None)
-    while root not in eos and len(new_tokens) < max_new_tokens:
+    start = clock(device)
+    while True:
+        keep = [i for i, row in enumerate(active)
+                if new_tokens[row][-1] not in eos and len(new_tokens[row]) < news[row]]
+        if len(keep) < len(active):  # finished rows leave the batch
+            now = clock(device) - start
+            for row in set(active) - {active[i] for i in keep}:
+                stats.rows[row].decode_seconds = now
+            active = [active[i] for i in keep]
+            if not active:
+                break
+            kv.drop(keep)
+        if len(active) != load:  # the load each row's trees are priced at (drafters that price them)
+            load = len(active)
+            for row in active:
+                drafters[row].share_forward(load)
         times: list[float] = []
         tick(times)
-        room = max_new_tokens - len(new_tokens) - 1  # a round emits at most depth + 1 tokens: no overshooting nodes
-        draft = drafter.propose(root, room)
+        drafting = gate is None or gate.draft(load, kv.end)
+        # a plain round proposes nothing (room 0: the root alone); a round emits at most depth + 1 tokens: no
+        # overshooting nodes
+        drafts = propose_rows([drafters[row] for row in active], [new_tokens[row][-1] for row in active],
+                              [news[row] - len(new_tokens[row]) - 1 if drafting else 0 for row in active])
         tick(times)
-        verified = verify(model, cache, draft.tokens, draft.buffers, prefix_len, forward, drafter.feature_layers)
+        verified = verify(model, kv, drafts, runner, feature_layers)
         tick(times)
-        accepted = accept(draft.tokens, verified.logits, draft.buffers)
+        results = accept(drafts, verified.logits)
         tick(times)
-        prefix_len = commit(cache, prefix_len, accepted.nodes, accepted.path)
-        emitted = _emitted(accepted.tokens, max_new_tokens - len(new_tokens), eos)
-        outcome = Outcome(draft=draft, nodes=accepted.nodes, tokens=accepted.tokens,
-                          hidden=verified.hidden[accepted.nodes], emitted=emitted, path=accepted.path,
-                          token_ids=accepted.token_ids)
-        drafter.observe(outcome)
+        commit(kv, results)
+        stats.forwards += 1
+        stats.drafting_forwards += drafting
+        stats.active_per_forward.append(load)
+        stats.nodes_per_forward.append(verified.logits.shape[1])
+        if drafting and gate is not None:
+            gate.update(sum(len(a.path) for a in results) / load, verified.logits.shape[1])
+        outcomes = []
+        for i, row in enumerate(active):
+            accepted, draft = results[i], drafts[i]
+            emitted = _emitted(accepted.tokens, news[row] - len(new_tokens[row]), eos)
+            outcomes.append(Outcome(draft=draft, nodes=accepted.nodes, tokens=accepted.tokens,
+                                    hidden=verified.hidden[i, accepted.nodes], emitted=emitted, path=accepted.path,
+                                    token_ids=accepted.token_ids))
+            drafters[row].observe(outcomes[-1])
+            new_tokens[row].extend(emitted)
+            if streamer is not None:
+                streamer.put(torch.tensor(emitted, device="cpu"))
         tick(times)
-        stats.record(outcome, times)
-        new_tokens.extend(emitted)
-        root = emitted[-1]
-        if streamer is not None:
-            streamer.put(torch.tensor(emitted, device="cpu"))
-    stats.decode_seconds = clock(device) - start
-    stats.new_tokens = len(new_tokens)
-    stats.finish()
+        for row, outcome in zip(active, outcomes):
+            stats.rows[row].record(outcome, times)
+    stats.decode_seconds = now
+    for row, tokens in zip(stats.rows, new_tokens):
+        row.prefill_seconds, row.new_tokens = stats.prefill_seconds, len(tokens)
+        row.finish()
     if streamer is not None:
         streamer.end()
     return new_tokens, stats
-
-
-def _prefill(model, input_ids: torch.Tensor, choose_root, feature_layers: tuple[int, ...] | None,
-             kv: StaticKV | None = None) -> tuple[DynamicCache | StaticKV, Prefill]:
-    """One backbone forward over the prompt [1, P]: the cache (``kv``, else a new ``DynamicCache``) holds its P
-    positions, the root is chosen from the last position's logits; the drafter gets the states it reads
-    (``feature_layers``)."""
-    cache = kv if kv is not None else DynamicCache(config=model.config)
-    inputs = kv.prefill_inputs() if kv is not None else {"past_key_values": cache}
-    out = model(input_ids=input_ids, use_cache=True, output_hidden_states=True, **inputs,
-                **_last_logits_only(model, input_ids.shape[1]))
-    if kv is not None:
-        kv.write_at(input_ids.shape[1])  # the prompt is in place: write after it
-    root = choose_root(out.logits[0, -1])  # from logits [V]
-    hidden = backbone_features(out.hidden_states, feature_layers)[0]  # [P, F]
-    return cache, Prefill(input_ids=input_ids[0], hidden=hidden, root=root)
 
 
 def _emitted(tokens: list[int], room: int, eos: set[int]) -> list[int]:
@@ -207,17 +335,3 @@ def _emitted(tokens: list[int], room: int, eos: set[int]) -> list[int]:
     emitted = tokens[:room]
     stop = next((i for i, tok in enumerate(emitted) if tok in eos), None)
     return emitted if stop is None else emitted[: stop + 1]
-
-
-def _last_logits_only(model, prompt_len: int) -> dict:
-    """Prefill keyword that has the backbone project only the last prompt position onto the vocabulary.
-
-    The prefill needs the logits of the last position alone; all of them are [P, V], a large tensor for a long prompt.
-    An index tensor rather than the int ``logits_to_keep=1``: the int slices a [1, 1, H] view with the prompt's batch
-    stride, which torch on CPU projects through a slow path with frozen weights; indexing makes a fresh tensor
-    (docs/benchmarks.md, "Why the defaults are what they are"). Models whose forward has no ``logits_to_keep`` get
-    every position.
-    """
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        return {}
-    return {"logits_to_keep": torch.tensor([prompt_len - 1], device=model.get_output_embeddings().weight.device)}

@@ -28,7 +28,7 @@ import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
-from tokenmaxx.heads.capture import BACKENDS, CaptureFallbackWarning, capture_backend, set_capture_backend
+from tokenmaxx.inference.runner import BACKENDS, CaptureFallbackWarning, capture_backend, set_capture_backend
 from tokenmaxx.heads.machine import clock
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
 from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
@@ -36,7 +36,7 @@ from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_metho
                                            report_header, run_batch_benchmark, run_benchmark, selection_note, summarize,
                                            tokenmaxx_method)
 from tokenmaxx.inference.drafting import NEEDS_HEADS
-from tokenmaxx.inference.forward import plan_record
+from tokenmaxx.inference.runner import plan_record
 from tokenmaxx.scripts.errors import parse_flags, run_script
 
 TOKENMAXX_METHODS = ("tokenmaxx", "hybrid", "lookup", "medusa", "mtp", "medusa_hybrid", "mtp_hybrid")
@@ -262,8 +262,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
 
 def probe_compiled(methods: dict, notes: dict, prompt, model) -> None:
     """Compile the compiled baselines now, on four tokens of ``prompt``: one that fails to compile on this machine is
-    left out of the run, its error in the notes (a peer's baseline failing must not cost the whole run: on a lent GPU
-    there is no second try)."""
+    left out of the run, its error in the notes (a peer's baseline failing must not cost the whole run, which on a GPU
+    may have no second try)."""
     device = model.get_output_embeddings().weight.device
     for name in [n for n in methods if n.partition(":")[0] == COMPILED]:
         try:

@@ -1,10 +1,10 @@
-"""The Python parts of ``scripts/gpu_check.sh``: the verify-latency curve, and the report that judges the check.
+"""The Python parts of ``scripts/gpu_check.py``: the verify-latency curve, and the report that judges the check.
 
     python scripts/device_check.py latency --device cuda --dtype bfloat16 --out latency.json
     python scripts/device_check.py report WORK OUT      # OUT/report.md; exit 1 when a check failed
 
-The report reads what the steps left in WORK (or in OUT, where gpu_check.sh copies them as each step ends: the report
-can be made again from a device call's files): ``steps.tsv`` (step, exit status, seconds, the seconds it was allowed;
+The report reads what the steps left in WORK (or in OUT, where gpu_check.py copies them as each step ends: the report
+can be made again from OUT): ``steps.tsv`` (step, exit status, seconds, the seconds it was allowed;
 status 124 or 137 with a limit: killed at it; limit 0: not started, the check's deadline had passed), ``env.txt``,
 ``fast_tier.log`` (pytest), ``identity_fp32.json`` (a bench in fp32: greedy identity of every mode),
 ``latency.json`` and ``bench.json`` (bf16 on a GPU, the CPU's dtype in the dry run; its identical rates are the match
@@ -94,6 +94,9 @@ class OracleChain:
         self.inner.observe(outcome)
         self.done += len(outcome.tokens)
 
+    def share_forward(self, rows: int) -> None:
+        self.inner.share_forward(rows)
+
 
 def twin_main(args: argparse.Namespace) -> int:
     """Per twin: decode ms per token (eager greedy ``generate``), the verify curve at two cache lengths, and the
@@ -104,8 +107,8 @@ def twin_main(args: argparse.Namespace) -> int:
     from tokenmaxx.heads.io.backbones import resolve_dtype
     from tokenmaxx.heads.machine import clock
     from tokenmaxx.inference.decoding import accept_greedy
-    from tokenmaxx.inference.forward import ForwardContext
-    from tokenmaxx.inference.loop import greedy_root, speculative_decode
+    from tokenmaxx.inference.loop import decode as speculative, greedy_root
+    from tokenmaxx.inference.runner import Runner
     from tokenmaxx.inference.measure.latency import measure_latency
 
     torch.set_num_threads(args.threads)
@@ -148,17 +151,20 @@ def twin_main(args: argparse.Namespace) -> int:
                                           repeats=args.repeats, statistic="median")
                 record["verify_ms"][str(prefix)] = {str(n): round(t * 1e3, 3) for n, t in seconds.items()}
             continuation = reference[0, args.prompt_len:]
-            forward = ForwardContext(cache="static", capture=args.capture)
+            runner = Runner(capture=args.capture)
             record["oracle"] = {}
             for depth in [int(d) for d in args.depths]:
-                speculative_decode(model, OracleChain(heads.drafter(model, capture=args.capture), continuation, depth),
-                                   prompt, 8, accept_greedy, greedy_root, set(),
-                                   forward=forward)  # warm-up (and the compiles, when captured)
-                drafter = OracleChain(heads.drafter(model, capture=args.capture), continuation, depth)
+                def oracle():
+                    inner = heads.drafter(model)
+                    inner.passes = runner.passes
+                    return OracleChain(inner, continuation, depth)
+                # warm-up (and the compiles, when captured)
+                speculative(model, [oracle()], prompt, 8, accept_greedy, greedy_root, set(), runner=runner,
+                            cache="static")
                 start = clock(device)
-                tokens, stats = speculative_decode(model, drafter, prompt, args.new_tokens, accept_greedy,
-                                                   greedy_root, set(), forward=forward)
-                seconds = clock(device) - start
+                (tokens,), batch = speculative(model, [oracle()], prompt, args.new_tokens, accept_greedy, greedy_root,
+                                               set(), runner=runner, cache="static")
+                seconds, stats = clock(device) - start, batch.rows[0]
                 reference_tokens = continuation.tolist()[: len(tokens)]
                 same = next((i for i, (a, b) in enumerate(zip(tokens, reference_tokens)) if a != b), len(tokens))
                 speedup = (len(tokens) / seconds) / (1 / decode)

@@ -16,20 +16,20 @@ from tiny_tokenizer import tiny_tokenizer
 from tokenmaxx.heads import load_backbone
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-if "TOKENMAXX_TEST_DEVICE" in os.environ:  # scripts/gpu_check.sh: the fast tier on a GPU (its dry run: on the CPU)
+if "TOKENMAXX_TEST_DEVICE" in os.environ:  # scripts/gpu_check.py: the fast tier on a GPU (its dry run: on the CPU)
     OnTestDevice(TEST_DEVICE).__enter__()
 
 
 @pytest.fixture(autouse=True)
 def eager_on_the_test_device(request, monkeypatch):
     """On an accelerator (``TOKENMAXX_TEST_DEVICE``) generators default to a static cache with captured passes
-    (``heads.capture``: torch.compile per shape). The fast tier checks what they compute, so there it runs those
+    (``inference.runner``: torch.compile per shape). The fast tier checks what they compute, so there it runs those
     passes uncompiled (compiling each tiny model's shapes would take most of the device's minutes); a test marked
     ``capture`` compiles."""
     if TEST_DEVICE.type != "cpu" and "capture" not in request.keywords:
-        from tokenmaxx.heads import capture
+        from tokenmaxx.inference import runner
 
-        monkeypatch.setattr(capture.torch, "compile", lambda fn, **kwargs: fn)
+        monkeypatch.setattr(runner.torch, "compile", lambda fn, **kwargs: fn)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -67,7 +67,7 @@ def model(request):
 def on_cpu():
     """For a test of what happens on the CPU alone (key/value-head sharing, the transposed small-row products, the
     CPU's calibration keys): what it builds is made on the CPU whatever ``TOKENMAXX_TEST_DEVICE`` says, so under
-    scripts/gpu_check.sh it checks the CPU's behaviour instead of failing on the GPU's. Name it first
+    scripts/gpu_check.py it checks the CPU's behaviour instead of failing on the GPU's. Name it first
     (``@pytest.mark.usefixtures("on_cpu")``): it must be active before fixtures that build models."""
     with OnTestDevice(torch.device("cpu")):
         yield

@@ -18,7 +18,7 @@ from tokenmaxx.inference.sampling import target_probs
 from tokenmaxx.training.train_config import TrainConfig
 
 
-# The device the fast tier runs on: the CPU, or e.g. "cuda" under scripts/gpu_check.sh (TOKENMAXX_TEST_DEVICE).
+# The device the fast tier runs on: the CPU, or e.g. "cuda" under scripts/gpu_check.py (TOKENMAXX_TEST_DEVICE).
 TEST_DEVICE = torch.device(os.environ.get("TOKENMAXX_TEST_DEVICE", "cpu"))
 
 
@@ -326,3 +326,31 @@ class HostTraffic(TorchDispatchMode):
         for name, original in self._patched.items():
             setattr(torch.Tensor, name, original)
         return super().__exit__(*exc)
+
+
+def tree_draft(tokens: torch.Tensor, buffers) -> "Draft":
+    """A draft of the given tree tokens [N] and buffers, every node the heads'."""
+    from tokenmaxx.heads.drafting import HEADS, Draft
+
+    return Draft(tokens=tokens, buffers=buffers, sources=torch.full_like(tokens, HEADS),
+                 values=torch.ones(tokens.shape[0], device=tokens.device))
+
+
+def prefilled(model, prefix: torch.Tensor, kv=None):
+    """``kv`` (default: a growing cache of one row) holding the positions of ``prefix`` [1, P]."""
+    from tokenmaxx.inference.kv import GrowingKV
+
+    kv = kv if kv is not None else GrowingKV(1)
+    with torch.no_grad():
+        kv.prefill(model, prefix, torch.ones_like(prefix, dtype=torch.bool), [[0]], None)
+    return kv
+
+
+def decode_one(model, drafter, prompt: torch.Tensor, new_tokens: int, **kwargs):
+    """``loop.decode`` of one prompt [1, P], greedy: its new tokens and its row's statistics."""
+    from tokenmaxx.inference.decoding import accept_greedy
+    from tokenmaxx.inference.loop import decode, eos_ids, greedy_root
+
+    (tokens,), stats = decode(model, [drafter], prompt, new_tokens, accept_greedy, greedy_root,
+                              eos_ids(model.generation_config), **kwargs)
+    return tokens, stats.rows[0]

@@ -1,5 +1,5 @@
-"""Batches (inference/batch.py, ``SpeculativeGenerator.generate`` with several prompts): every row's output is what
-that prompt gives alone (fp32 greedy: token for token; sampling: the same distribution), rows of different lengths
+"""Batches (``loop.decode`` over several rows, ``SpeculativeGenerator.generate`` with several prompts; one prompt is a
+batch of one row, through the same code): every row's output is what that prompt gives alone (fp32 greedy: token for token; sampling: the same distribution), rows of different lengths
 drift apart and finish apart, the node budget follows the load, and bad batches are refused before any work."""
 
 from __future__ import annotations
@@ -10,15 +10,17 @@ from helpers import (HostTraffic, OracleMTP, broken_accept, chi2_pvalue, exact_p
                      random_prompts, repeating_prompts, tiny_model)
 from transformers import GenerationConfig
 
-from tokenmaxx.heads.drafting import Outcome, Prefill
+from tokenmaxx.heads.drafting import Outcome, Prefill, propose_rows
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.heads.modeling import backbone_features
 from tokenmaxx.inference import SpeculativeGenerator
 from tokenmaxx.inference import generator as generator_module
-from tokenmaxx.inference.batch import LoadGate, batched_decode, prefill_groups, propose_rows
+from tokenmaxx.inference import loop, runner
 from tokenmaxx.inference.costs import Costs, VerifyLatency
 from tokenmaxx.inference.decoding import accept_greedy
 from tokenmaxx.inference.drafting import DraftSettings, make_drafter
+from tokenmaxx.inference.kv import StaticKV
+from tokenmaxx.inference.loop import LoadGate, decode, greedy_root, prefill_groups
 from tokenmaxx.inference.sampling import build_warpers, target_probs
 
 
@@ -63,10 +65,6 @@ def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask
 
 
-def _greedy_root(logits, row):
-    return int(logits.argmax())
-
-
 def test_ids_with_a_padding_mask_and_long_accepted_paths():
     """Rigged heads (long paths through side branches: each round gathers, rows drift apart by up to a tree's
     depth): every row equals greedy alone; and through the API, ids [B, T] right-padded with their mask."""
@@ -77,8 +75,8 @@ def test_ids_with_a_padding_mask_and_long_accepted_paths():
     drafters = [OracleMTP(model, refs[i], p_top=0.6, seed=i).drafter(
         model, DynamicTreeConfig(nodes=16, topk=3, depth=4, min_mass=0.2)) for i in range(5)]
     with torch.no_grad():
-        tokens, stats = batched_decode(model, drafters, *_left_padded(prompts), news, accept_greedy, _greedy_root,
-                                       set())
+        ids, mask = _left_padded(prompts)
+        tokens, stats = decode(model, drafters, ids, news, accept_greedy, greedy_root, set(), attention_mask=mask)
     for i in range(5):
         assert tokens[i] == refs[i][0, len(prompts[i]):][:news[i]].tolist(), i
     assert min(r.mean_tau for r in stats.rows) > 3.0  # long paths really were accepted
@@ -117,8 +115,8 @@ def test_rows_prefilled_apart_and_a_padding_column_give_what_each_prompt_gives_a
     drafters = [make_drafter("lookup", model, None, DraftSettings(costs=Costs(latency=latency))) for _ in prompts]
     try:
         with torch.no_grad():
-            tokens, stats = batched_decode(model, drafters, ids, mask, [14] * 3, accept_greedy, _greedy_root,
-                                           set(), costs=Costs(latency=latency))
+            tokens, stats = decode(model, drafters, ids, [14] * 3, accept_greedy, greedy_root, set(),
+                                   attention_mask=mask, costs=Costs(latency=latency))
     finally:
         handle.remove()
     for i in range(3):
@@ -205,8 +203,9 @@ def test_the_node_budget_follows_the_load():
         drafters = [make_drafter("heads", model, OracleMTP(model, refs[i], p_top=1.0, seed=i),
                                  DraftSettings(tree=tree, costs=Costs(latency=latency))) for i in range(rows)]
         with torch.no_grad():
-            tokens, stats = batched_decode(model, drafters, *_left_padded(prompts[:rows]), [12] * rows,
-                                           accept_greedy, _greedy_root, set())
+            ids, mask = _left_padded(prompts[:rows])
+            tokens, stats = decode(model, drafters, ids, [12] * rows, accept_greedy, greedy_root, set(),
+                                   attention_mask=mask)
         for i in range(rows):
             assert tokens[i] == refs[i][0, len(prompts[i]):].tolist()
         return max(r.mean_tau for r in stats.rows)
@@ -234,7 +233,7 @@ def test_bad_batches_are_refused_with_the_row_named(monkeypatch):
         gen.generate(torch.tensor([[5, 6], [7, 8]]), attention_mask=torch.tensor([[1, 1, 1]]))
     monkeypatch.setattr(generator_module, "free_memory", lambda device: 1 << 16)  # 64 KiB free
     calls = []
-    monkeypatch.setattr(generator_module, "batched_decode", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(generator_module, "decode", lambda *a, **k: calls.append(1))
     with pytest.raises(MemoryError, match=r"a batch of 2 rows of up to 12 positions needs about 6\d\d\.\d KiB \(KV "
                                           r"cache .* are free on cpu: use fewer rows"):
         gen.generate([[5, 6], [7, 8]], max_new_tokens=10)
@@ -287,24 +286,62 @@ def test_a_greedy_batch_round_reads_once():
         propose = drafter.propose
         drafter.propose = lambda root, room, _p=propose: (traffic.mark(), _p(root, room))[1]
     with traffic, torch.no_grad():
-        tokens, stats = batched_decode(model, drafters, *_left_padded(prompts), [24] * 4, accept_greedy,
-                                       _greedy_root, set())
+        ids, mask = _left_padded(prompts)
+        tokens, stats = decode(model, drafters, ids, [24] * 4, accept_greedy, greedy_root, set(), attention_mask=mask)
     rounds = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(traffic.marks, traffic.marks[1:])][1:-4]
     assert len(rounds) >= 5 and max(r for r, _ in rounds) == 1, rounds
     for i, p in enumerate(prompts):
         assert tokens[i] == greedy_reference(model, p[None], 24)[0, len(p):].tolist()
 
 
-def test_a_batch_drafts_uncaptured_whatever_the_generator_captures():
-    """A generator that captures its rounds (static cache, compiled passes: an accelerator's default) still drafts a
-    batch's rows uncaptured, so their module passes run together (a captured pass has fixed shapes)."""
+def test_one_prompt_and_a_batch_of_one_run_the_same_round(monkeypatch):
+    """``generate(p)`` and ``generate([p])`` go through the one loop (``loop.decode``, a batch of one row) and give the
+    same tokens and the same statistics, timings included; a batch's rows are timed too."""
+    model = tiny_model("llama", seed=3)
+    model.generation_config.eos_token_id = None
+    gen = SpeculativeGenerator(model, random_eagle3(model, scale=0.05), draft="hybrid",
+                               costs=Costs(latency=VerifyLatency({0: {1: 0.01, 64: 0.02}}), propose_seconds=0.001))
+    rows, real = [], loop.decode
+    monkeypatch.setattr(generator_module, "decode", lambda model_, drafters, ids, *a, **k: rows.append(
+        ids.shape[0]) or real(model_, drafters, ids, *a, **k))
+    prompt = next(random_prompts(1, model.config.vocab_size, seed=4))[0][0].tolist()
+    one, many = gen.generate(prompt, max_new_tokens=30), gen.generate([prompt], max_new_tokens=30)
+    assert rows == [1, 1]
+    assert one.new_tokens == many.rows[0].new_tokens and one.sequences.tolist() == [_alone(model, prompt, 30)]
+    a, b = one.stats.to_dict(), many.rows[0].stats.to_dict()
+    timings = ("prefill_seconds", "decode_seconds", "wall_seconds", "tokens_per_s", "phase_seconds")
+    assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
+    assert all(a[k] and b[k] for k in timings) and a["phase_seconds"].keys() == b["phase_seconds"].keys()
+    batch = gen.generate([prompt, prompt[:3]], max_new_tokens=[30, 5])
+    assert all(row.stats.decode_seconds > 0 and row.stats.phase_seconds["verify"] > 0 for row in batch.rows)
+    assert batch.rows[1].stats.decode_seconds < batch.rows[0].stats.decode_seconds  # (it finished first)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_batches_verify_on_the_static_cache_through_captured_calls(monkeypatch, rows):
+    """A generator that captures its rounds (static cache, compiled calls: an accelerator's default) does so for a
+    batch as for one prompt: the cache is a ``StaticKV``, every verify and every module pass goes through the captured
+    call (the stand-in compiles nothing: it counts), rows that finish early stay as padding rows, and every row is
+    greedy's."""
+    calls: dict[str, int] = {}
+
+    def standin(fn, **kwargs):
+        def run(*args, **kw):
+            calls[fn.__qualname__] = calls.get(fn.__qualname__, 0) + 1
+            return fn(*args, **kw)
+        return run
+
+    monkeypatch.setattr(runner.torch, "compile", standin)
+    opened, real = [], loop.open_kv
+    monkeypatch.setattr(loop, "open_kv", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
     model = tiny_model("llama", seed=2)
     model.generation_config.eos_token_id = None
-    gen = SpeculativeGenerator(model, random_eagle3(model), draft="heads", cache="static", capture=True, costs=None)
-    made, make = [], gen.make_drafter
-    gen.make_drafter = lambda capture=None: made.append(capture) or make(capture=capture)
-    prompts = [p[0].tolist() for p, _ in random_prompts(2, model.config.vocab_size, seed=3)]
-    out = gen.generate(prompts, max_new_tokens=6)
-    assert made == [False, False] and make().capture and not make(capture=False).capture
-    for i, row in enumerate(out.rows):
-        assert row.sequences.tolist() == [_alone(model, prompts[i], 6)]
+    gen = SpeculativeGenerator(model, random_eagle3(model, scale=0.05), draft="hybrid", cache="static", capture=True)
+    prompts = [p[0].tolist() for p, _ in random_prompts(rows, model.config.vocab_size, seed=3)]
+    news = [12, 5, 9, 12][:rows]
+    out = gen.generate(prompts if rows > 1 else prompts[0], max_new_tokens=news if rows > 1 else news[0])
+    for i, row in enumerate(out.rows if rows > 1 else [out]):
+        assert row.sequences.tolist() == [_alone(model, prompts[i], news[i])], i
+    forwards = out.stats.forwards if rows > 1 else out.stats.steps
+    assert len(opened) == 1 and isinstance(opened[0], StaticKV) and opened[0].rows == rows
+    assert calls["LlamaForCausalLM.forward"] == forwards and calls["Eagle3Heads.step"] > 0, calls

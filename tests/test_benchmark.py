@@ -98,7 +98,7 @@ def test_bench_end_to_end_writes_documented_json(tmp_path):
 def test_a_bad_capture_backend_is_refused_and_fallbacks_are_recorded_for_the_report(capsys, tmp_path):
     import warnings
 
-    from tokenmaxx.heads.capture import CaptureFallbackWarning
+    from tokenmaxx.inference.runner import CaptureFallbackWarning
     from tokenmaxx.scripts import bench
 
     prompts = tmp_path / "p.jsonl"

@@ -220,15 +220,15 @@ def test_a_row_of_a_batch_is_charged_its_share_of_the_rows_proposals():
     """Alone a proposal costs one row's measured seconds; beside 3 other rows, a quarter of what 4 rows' proposals
     together were measured to take (their module passes run as one), and the heads' gate weighs that."""
     from tokenmaxx.inference.budget import BudgetDrafter
-    from tokenmaxx.inference.costs import VerifyLatency
+    from tokenmaxx.inference.costs import Costs, VerifyLatency
 
     model = tiny_model("llama", seed=1)
     own = random_heads(model).drafter(model)
-    drafter = BudgetDrafter(own, latency=VerifyLatency({0: {1: 0.01, 8: 0.02}}), propose_seconds=0.01,
-                            propose_rows={4: 0.016})
+    drafter = BudgetDrafter(own, costs=Costs(latency=VerifyLatency({0: {1: 0.01, 8: 0.02}}), propose_seconds=0.01,
+                                             propose_rows={4: 0.016}))
     assert drafter.propose_cost == 0.01 and drafter.gate.cost == 0.01
     drafter.share_forward(4)
     assert drafter.propose_cost == pytest.approx(0.004) and drafter.gate.cost == pytest.approx(0.004)
-    unmeasured = BudgetDrafter(own, latency=VerifyLatency({0: {1: 0.01}}), propose_seconds=0.01)
+    unmeasured = BudgetDrafter(own, costs=Costs(latency=VerifyLatency({0: {1: 0.01}}), propose_seconds=0.01))
     unmeasured.share_forward(4)
     assert unmeasured.propose_cost == pytest.approx(0.01)  # rows x one row's, shared by the rows

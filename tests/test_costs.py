@@ -33,7 +33,7 @@ def test_the_constructor_measures_nothing_and_leaves_the_model_as_it_was(draft, 
     gen = SpeculativeGenerator(model, heads, draft=draft)
     assert model.config._attn_implementation == "sdpa" and gen.costs is None
     assert not any(tmp_path.iterdir())  # no cache written
-    assert gen.forward.attention == {} and gen.forward.small_rows == {}
+    assert gen.runner.attention == {} and gen.runner.small_rows == {}
     assert_matches_greedy(gen, model, 2, seed=1)
     assert model.config._attn_implementation == "sdpa" and not any(tmp_path.iterdir())
 
@@ -52,7 +52,7 @@ def test_create_measures_the_costs_once_and_hands_them_to_the_method(monkeypatch
     assert len(calls) == 1 and isinstance(gen.costs, Costs)
     assert gen.costs.latency is not None and gen.costs.propose_seconds > 0
     assert set(gen.costs.propose_rows) == {4, 16} and min(gen.costs.propose_rows.values()) > 0
-    assert gen.forward.small_rows == gen.costs.small_rows
+    assert gen.runner.small_rows == gen.costs.small_rows
     assert gen.describe().endswith("sized per round")
     _forbid_measuring(monkeypatch)  # a second generator reads every part from the cache
     again = SpeculativeGenerator.create(model, heads, draft="heads")
@@ -66,7 +66,7 @@ def test_a_hand_made_costs_is_used_as_given(monkeypatch):
     model = tiny_model("llama", seed=2)
     costs = Costs(latency=VerifyLatency({0: {1: 1.0, 2: 100.0}}), propose_seconds=0.0, small_rows={2: "head"})
     gen = SpeculativeGenerator.create(model, random_mtp(model), draft="heads", costs=costs)
-    assert gen.costs is costs and gen.forward.small_rows == {2: "head"}
+    assert gen.costs is costs and gen.runner.small_rows == {2: "head"}
     out = gen.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6)
     assert out.stats.mean_tau == 1.0  # every node costs 100 plain steps: each round verifies the root alone
 
@@ -128,7 +128,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_method_imports_nothing_of_the_measuring_and_packages_import_one_way():
-    method = ("loop", "decoding", "drafting", "budget", "lookup", "sampling", "forward", "costs")
+    method = ("loop", "decoding", "drafting", "budget", "lookup", "sampling", "runner", "kv", "costs")
     for name in method:
         imported = _imports(ROOT / "inference" / f"{name}.py")
         assert not {m for m in imported if m.startswith(("inference.measure", "measure"))}, (name, imported)

@@ -4,23 +4,19 @@ import os
 
 import pytest
 import torch
-from helpers import tiny_model
-from transformers import DynamicCache
+from helpers import prefilled, tiny_model, tree_draft
 
-from tokenmaxx.inference import Tree, accept_greedy, commit, verify
+from tokenmaxx.inference import Accepted, Tree, accept_greedy, commit, verify
 from tokenmaxx.heads.attention import (IMPLEMENTATION, SHARE_KV_HEADS, shared_kv_kwargs, shares_kv_heads,
                                       use_shared_kv_attention)
-from tokenmaxx.inference.forward import ForwardContext
-from tokenmaxx.inference.decoding import tree_attention_bias
+from tokenmaxx.inference.kv import GrowingKV
+from tokenmaxx.inference.runner import Runner
 
 TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
 
 
 def _prefill(model, prefix):
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(prefix, past_key_values=cache, use_cache=True)
-    return cache
+    return prefilled(model, prefix)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -30,10 +26,11 @@ def test_tree_logits_equal_per_path_forwards(arch, attn):
     prefix = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(0))
     buffers = TREE.buffers
     tokens = torch.randint(3, 96, (buffers.num_nodes,), generator=torch.Generator().manual_seed(1))
-    cache = _prefill(model, prefix)
+    kv = _prefill(model, prefix)
     with torch.no_grad():
-        verified = verify(model, cache, tokens, buffers, prefix.shape[1])
-    assert cache.get_seq_length() == prefix.shape[1] + buffers.num_nodes
+        verified = verify(model, kv, [tree_draft(tokens, buffers)])
+    assert kv.cache.get_seq_length() == prefix.shape[1] + buffers.num_nodes
+    verified.logits, verified.hidden = verified.logits[0], verified.hidden[0]
     for path in buffers.retrieve.tolist():
         nodes = [n for n in path if n >= 0]
         seq = torch.cat([prefix[0], tokens[nodes]])[None]
@@ -46,12 +43,24 @@ def test_tree_logits_equal_per_path_forwards(arch, attn):
 
 
 def test_attention_bias_layout():
-    bias = tree_attention_bias(Tree([(0,), (1,)]).buffers, prefix_len=2, dtype=torch.float32, device="cpu")
-    assert bias.shape == (1, 1, 3, 5)
-    allowed = (bias[0, 0] == 0).tolist()
-    assert allowed == [[True, True, True, False, False],
-                       [True, True, True, True, False],
-                       [True, True, True, False, True]]
+    """A node sees the live prefix, its ancestors and itself; a padding node (a row's tree smaller than the largest)
+    only itself; a row's holes (entries past its end that a longer row wrote) nothing."""
+    kv = GrowingKV(2)
+    kv.live, kv.ends, kv.positions = torch.tensor([[True, True, True], [True, True, False]]), [3, 2], [3, 2]
+    buffers = Tree([(0,), (1,)]).buffers
+    tokens = torch.tensor([[5, 6, 7], [5, 6, 0]])
+    depths = torch.stack([buffers.depths, torch.tensor([0, 1, 0])])
+    tree = torch.stack([buffers.attn_mask, torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)])
+    inputs = kv.tree_inputs(tokens, depths, tree, torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool), torch.float32)
+    assert inputs["attention_mask"].shape == (2, 1, 3, 6) and inputs["attention_mask"].dtype == torch.float32
+    allowed = (inputs["attention_mask"][:, 0] == 0).tolist()
+    assert allowed[0] == [[True, True, True, True, False, False],
+                          [True, True, True, True, True, False],
+                          [True, True, True, True, False, True]]
+    assert allowed[1] == [[True, True, False, True, False, False],
+                          [True, True, False, True, True, False],
+                          [False, False, False, False, False, True]]
+    assert inputs["position_ids"].tolist() == [[3, 4, 4], [2, 3, 2]]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -61,14 +70,14 @@ def test_commit_leaves_the_cache_of_a_plain_forward(arch):
     buffers = TREE.buffers
     tokens = torch.randint(3, 96, (buffers.num_nodes,), generator=torch.Generator().manual_seed(3))
     for accepted_nodes in ([0], [0, 2], [0, 1, 5, 8], [0, 1, 4, 7], [0, 2, 6]):
-        cache = _prefill(model, prefix)
+        kv = _prefill(model, prefix)
         with torch.no_grad():
-            verify(model, cache, tokens, buffers, prefix.shape[1])
+            verify(model, kv, [tree_draft(tokens, buffers)])
         nodes = torch.tensor(accepted_nodes)
-        new_len = commit(cache, prefix.shape[1], nodes)
-        assert new_len == cache.get_seq_length() == prefix.shape[1] + len(accepted_nodes)
-        plain = _prefill(model, torch.cat([prefix[0], tokens[nodes]])[None])
-        for got, want in zip(cache.layers, plain.layers):
+        commit(kv, [Accepted(nodes=nodes, tokens=[])])
+        assert kv.end == kv.cache.get_seq_length() == prefix.shape[1] + len(accepted_nodes)
+        plain = _prefill(model, torch.cat([prefix[0], tokens[nodes]])[None]).cache
+        for got, want in zip(kv.cache.layers, plain.layers):
             torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
 
@@ -86,11 +95,18 @@ def test_accept_greedy_on_hand_built_logits():
     says(1, 15)  # after node 1 it wants 15 = node 5 (the side branch (0, 1))
     says(5, 18)  # after node 5 it wants 18 = node 8
     says(8, 30)  # bonus
-    acc = accept_greedy(tokens, logits, buffers)
+    acc, = accept_greedy([tree_draft(tokens, buffers)], logits[None])
     assert acc.nodes.tolist() == [0, 1, 5, 8] and acc.tokens == [11, 15, 18, 30]
     says(0, 31)  # nothing agrees: only the bonus token
-    acc = accept_greedy(tokens, logits, buffers)
+    acc, = accept_greedy([tree_draft(tokens, buffers)], logits[None])
     assert acc.nodes.tolist() == [0] and acc.tokens == [31]
+    # beside a row of another tree (padded to the larger), each row accepts as alone, in one read
+    chain = Tree([(0,), (0, 0)]).buffers
+    other = torch.zeros(9, 32)
+    other[0, 21], other[1, 22], other[2, 5] = 1, 1, 1
+    rows = accept_greedy([tree_draft(tokens, buffers), tree_draft(torch.tensor([20, 21, 22]), chain)],
+                         torch.stack([logits, other]))
+    assert [r.tokens for r in rows] == [[31], [21, 22, 5]] and rows[1].path == [0, 1, 2]
 
 
 @pytest.mark.usefixtures("on_cpu")  # what the CPU alone does: built there whatever TOKENMAXX_TEST_DEVICE says
@@ -113,17 +129,16 @@ def test_verify_lets_sdpa_group_the_kv_heads_with_the_same_logits(arch, monkeypa
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     environment = dict(os.environ)
     with torch.no_grad():
-        plain = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])
+        plain = verify(model, _prefill(model, prefix), [tree_draft(tokens, TREE.buffers)])
         assert grouped[-2:] == [False, False]  # transformers' SDPA: repeated key/value heads
         assert shared_kv_kwargs(model) == {}  # transformers' "sdpa": nothing to ask for, and nothing changed
         assert model.config._attn_implementation == "sdpa"
         assert use_shared_kv_attention(model) and model.config._attn_implementation == IMPLEMENTATION
         attention = shared_kv_kwargs(model)
         assert attention == {SHARE_KV_HEADS: True}
-        fast = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1],
-                      ForwardContext(attention=attention))
+        fast = verify(model, _prefill(model, prefix), [tree_draft(tokens, TREE.buffers)], Runner(attention=attention))
         assert grouped[-2:] == [True, True]  # both layers of the tree forward
-        again = verify(model, _prefill(model, prefix), tokens, TREE.buffers, prefix.shape[1])  # not asked
+        again = verify(model, _prefill(model, prefix), [tree_draft(tokens, TREE.buffers)])  # not asked
         assert grouped[-2:] == [False, False]
     assert dict(os.environ) == environment
     assert torch.equal(fast.logits, plain.logits) and torch.equal(fast.hidden, plain.hidden)

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import greedy_reference, random_heads, random_mtp, tiny_model
+from helpers import greedy_reference, random_heads, random_mtp, tiny_model, tree_draft
 from transformers import DynamicCache
 
 from tokenmaxx.heads import Prefill, Tree
@@ -23,8 +23,8 @@ from tokenmaxx.heads import machine
 from tokenmaxx.inference import EmulatedBf16Warning, EmulatedDtypeWarning, SpeculativeGenerator, generator, verify
 from tokenmaxx.inference.benchmark import Prompt, hf_method, run_benchmark
 from tokenmaxx.inference.measure.store import calibration_key, machine_fingerprint
-from tokenmaxx.inference.decoding import tree_attention_bias
-from tokenmaxx.inference.forward import ForwardContext
+from tokenmaxx.inference.kv import GrowingKV
+from tokenmaxx.inference.runner import Runner
 from tokenmaxx.inference.measure.latency import measure_latency
 from tokenmaxx.inference.sampling import make_generator
 from tokenmaxx.scripts.generate import plain_generate
@@ -82,10 +82,21 @@ def test_tree_buffers_copy_to_a_device_once():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_attention_bias_takes_the_backbone_dtype_and_device(dtype):
     buffers = Tree([(0,), (1,)]).buffers
-    bias = tree_attention_bias(buffers, prefix_len=2, dtype=dtype, device=torch.device("cpu"))
-    assert bias.dtype == dtype and bias[0, 0, 1, 4] == torch.finfo(dtype).min and bias[0, 0, 1, 3] == 0
-    on_meta = tree_attention_bias(buffers, prefix_len=2, dtype=dtype, device=META)
-    assert on_meta.device == META and on_meta.shape == (1, 1, 3, 5)
+    for device in (torch.device("cpu"), META):
+        kv = _empty_kv(device, prefix_len=2)
+        bias = kv.tree_inputs(torch.tensor([[5, 6, 7]], device=device), buffers.depths[None].to(device),
+                              buffers.attn_mask[None].to(device), None, dtype)["attention_mask"]
+        assert bias.dtype == dtype and bias.device == device and bias.shape == (1, 1, 3, 5)
+        if device.type == "cpu":
+            assert bias[0, 0, 1, 4] == torch.finfo(dtype).min and bias[0, 0, 1, 3] == 0
+
+
+def _empty_kv(device, prefix_len: int = 0) -> GrowingKV:
+    """A growing cache of one row that holds ``prefix_len`` positions (by its bookkeeping alone)."""
+    kv = GrowingKV(1)
+    kv.cache, kv.ends, kv.positions = DynamicCache(), [prefix_len], [prefix_len]
+    kv.live = torch.ones(1, prefix_len, dtype=torch.bool, device=device)
+    return kv
 
 
 def test_verify_feeds_the_backbone_on_its_device():
@@ -95,11 +106,11 @@ def test_verify_feeds_the_backbone_on_its_device():
     model.register_forward_pre_hook(lambda module, args, kwargs: inputs.append(_devices(*args, **kwargs)),
                                     with_kwargs=True)
     tokens = torch.tensor([5, 6, 7], device=META)  # [N]
-    verified = verify(model, DynamicCache(config=model.config), tokens, Tree([(0,), (1,)]).buffers, prefix_len=0,
-                      forward=ForwardContext(attention=shared_kv_kwargs(model)))
+    verified = verify(model, _empty_kv(META), [tree_draft(tokens, Tree([(0,), (1,)]).buffers)],
+                      Runner(attention=shared_kv_kwargs(model)))
     assert inputs == [{META}]
-    assert verified.logits.device == META and verified.logits.shape == (3, model.config.vocab_size)
-    assert verified.hidden.shape == (3, model.config.hidden_size)
+    assert verified.logits.device == META and verified.logits.shape == (1, 3, model.config.vocab_size)
+    assert verified.hidden.shape == (1, 3, model.config.hidden_size)
 
 
 def test_drafters_draft_on_the_backbone_device():

@@ -28,9 +28,9 @@ def test_draft_vocab_guesses_stay_inside_and_output_is_identical(model, kind, mo
     seen = []
     real_verify = loop_module.verify
 
-    def spy(model_, cache, tokens, buffers, prefix_len, attention=None, feature_layers=None):
-        seen.extend(tokens[1:].tolist())  # drafted nodes (the root is the backbone's own token)
-        return real_verify(model_, cache, tokens, buffers, prefix_len, attention, feature_layers)
+    def spy(model_, kv, drafts, *args):
+        seen.extend(drafts[0].tokens[1:].tolist())  # drafted nodes (the root is the backbone's own token)
+        return real_verify(model_, kv, drafts, *args)
 
     monkeypatch.setattr(loop_module, "verify", spy)
     gen = SpeculativeGenerator(model, heads, draft="heads")

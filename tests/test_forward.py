@@ -1,4 +1,4 @@
-"""Tree verifies with the linear layers as (W @ x^T)^T (``inference/forward.py``, the plan measured by
+"""Tree verifies with the linear layers as (W @ x^T)^T (``inference/runner.py``, the plan measured by
 ``inference/measure/small_rows.py``): the same logits up to rounding, the model's modules untouched afterwards, greedy
 output still token-identical, and the choice measured once."""
 
@@ -9,8 +9,8 @@ from helpers import assert_matches_greedy, greedy_reference, random_heads, rando
 from torch import nn
 
 from tokenmaxx.inference import Costs, SpeculativeGenerator
-from tokenmaxx.inference import forward as forward_module
-from tokenmaxx.inference.forward import transposed_linears
+from tokenmaxx.inference import runner as forward_module
+from tokenmaxx.inference.runner import transposed_linears
 
 
 def test_transposed_linears_give_the_same_products_and_leave_the_modules_as_they_were(model):
@@ -93,7 +93,7 @@ def test_greedy_output_is_the_backbones_with_transposed_verifies(model, draft, m
     monkeypatch.setattr(forward_module, "_transposed", counting)
     heads = random_mtp(model) if draft != "lookup" else None
     tree = "dynamic:nodes=6,topk=3,min_mass=0" if heads is not None else None  # random heads: keep their nodes
-    assert not SpeculativeGenerator(model, heads, tree=tree, draft=draft).forward.small_rows  # unmeasured: none
+    assert not SpeculativeGenerator(model, heads, tree=tree, draft=draft).runner.small_rows  # unmeasured: none
     plan = {n: ("all", "head", "body")[n % 3] for n in range(2, 9)}  # whatever this machine measured
     gen = SpeculativeGenerator(model, heads, tree=tree, draft=draft, costs=Costs(small_rows=plan))
     assert_matches_greedy(gen, model, 3, seed=11)

@@ -1,24 +1,22 @@
-"""The static KV cache (inference/kv.py): padded trees verify as the unpadded ones, commits land in place, and a
-generation on it (eager, or captured through torch.compile) is the backbone's greedy output in fp32."""
+"""The KV caches (inference/kv.py): on the static one padded trees verify as the unpadded ones, commits land in
+place, and a generation on it (eager, or captured through torch.compile: inference/runner.py) is the backbone's
+greedy output in fp32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (OracleMTP, assert_matches_greedy, greedy_reference, random_eagle3, random_heads, random_prompts,
-                     repeating_prompts, tiny_model)
-from transformers import DynamicCache
+from helpers import (OracleMTP, assert_matches_greedy, decode_one, greedy_reference, prefilled, random_eagle3,
+                     random_heads, random_prompts, repeating_prompts, tiny_model, tree_draft)
 
 from tokenmaxx.heads import Tree
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.inference import SpeculativeGenerator
-from tokenmaxx.heads import capture as capture_module
-from tokenmaxx.heads import sequential
 from tokenmaxx.inference import loop
+from tokenmaxx.inference import runner as capture_module
 from tokenmaxx.inference.decoding import accept_greedy, commit, verify
-from tokenmaxx.inference.forward import CaptureFallbackWarning, ForwardContext
-from tokenmaxx.inference.kv import BUCKETS, StaticKV, bucket
-from tokenmaxx.inference.loop import eos_ids, greedy_root, speculative_decode
+from tokenmaxx.inference.kv import BUCKETS, StaticKV, bucket, open_kv, static_cache
+from tokenmaxx.inference.runner import CaptureFallbackWarning, Runner
 
 TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # 8 nodes: padded to 8; 7-node cut to 8 too
 
@@ -27,16 +25,11 @@ def test_buckets():
     assert [bucket(n, BUCKETS) for n in (1, 2, 3, 8, 9, 100, 256, 257, 600)] == [1, 2, 4, 8, 16, 128, 256, 512, 768]
     assert bucket(5, (4, 6)) == 6 and bucket(7, (4, 6)) == 12
     with pytest.raises(ValueError, match="increasing positive"):
-        StaticKV(tiny_model(), 64, buckets=(8, 4))
+        StaticKV(1, static_cache(tiny_model(), 1, 64), buckets=(8, 4))
 
 
-def _prefilled(model, prefix, kv=None):
-    cache = kv if kv is not None else DynamicCache(config=model.config)
-    inputs = kv.prefill_inputs() if kv is not None else {"past_key_values": cache}
-    model(input_ids=prefix, use_cache=True, **inputs)
-    if kv is not None:
-        kv.write_at(prefix.shape[1])
-    return cache
+def _static(model, length, buckets=BUCKETS):
+    return StaticKV(1, static_cache(model, 1, length), buckets)
 
 
 @pytest.mark.parametrize("tree", [TREE, Tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])], ids=["full", "padded"])
@@ -45,10 +38,10 @@ def test_a_padded_tree_on_the_static_cache_verifies_as_on_the_dynamic_one(tree):
     prefix = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(3, 96, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        dynamic = verify(model, _prefilled(model, prefix), tokens, tree.buffers, prefix.shape[1])
-        kv = _prefilled(model, prefix, StaticKV(model, 64, buckets=(4, 8)))
-        static = verify(model, kv, tokens, tree.buffers, prefix.shape[1])
-    assert static.logits.shape == dynamic.logits.shape == (tree.num_nodes, 96)
+        dynamic = verify(model, prefilled(model, prefix), [tree_draft(tokens, tree.buffers)])
+        kv = prefilled(model, prefix, _static(model, 64, buckets=(4, 8)))
+        static = verify(model, kv, [tree_draft(tokens, tree.buffers)])
+    assert static.logits.shape == dynamic.logits.shape == (1, tree.num_nodes, 96)
     torch.testing.assert_close(static.logits, dynamic.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(static.hidden, dynamic.hidden, atol=1e-5, rtol=1e-5)
 
@@ -60,11 +53,12 @@ def test_a_commit_on_the_static_cache_leaves_what_a_plain_prefill_of_the_path_le
     # (nodes: 0 root, 1 (0,), 2 (1,), 3 (2,), 4 (0, 0), 5 (0, 1), 6 (1, 0), 7 (0, 0, 0))
     for path in ([0, 1, 4, 7], [0, 2, 6], [0, 1], [0]):  # gathers, a chain prefix in place, the root alone
         with torch.no_grad():
-            kv = _prefilled(model, prefix, StaticKV(model, 48))
-            verify(model, kv, tokens, TREE.buffers, prefix.shape[1])
+            kv = prefilled(model, prefix, _static(model, 48))
+            verify(model, kv, [tree_draft(tokens, TREE.buffers)])
             nodes = torch.tensor(path)
-            keep = commit(kv, prefix.shape[1], nodes, path)
-            plain = _prefilled(model, torch.cat([prefix[0], tokens[nodes]])[None])
+            kv.commit([path], [nodes])
+            keep = kv.end
+            plain = prefilled(model, torch.cat([prefix[0], tokens[nodes]])[None]).cache
         assert keep == prefix.shape[1] + len(path) == plain.get_seq_length()
         for layer, ref in zip(kv.cache.layers, plain.layers):
             torch.testing.assert_close(layer.keys[:, :, :keep], ref.keys, atol=1e-5, rtol=1e-5)
@@ -74,17 +68,17 @@ def test_a_commit_on_the_static_cache_leaves_what_a_plain_prefill_of_the_path_le
 
 def test_a_tree_past_the_static_cache_is_refused():
     model = tiny_model()
-    kv = _prefilled(model, torch.tensor([[5, 6, 7]]), StaticKV(model, 8))
-    with pytest.raises(ValueError, match="verified as 8.*overruns the static cache of 8"):
-        verify(model, kv, torch.arange(3, 8), Tree([(0,), (1,), (2,), (3,)]).buffers, 3)
+    kv = prefilled(model, torch.tensor([[5, 6, 7]]), _static(model, 8))
+    with pytest.raises(ValueError, match="a verify of 8 nodes after 3 positions overruns the static cache of 8"):
+        verify(model, kv, [tree_draft(torch.arange(3, 8), Tree([(0,), (1,), (2,), (3,)]).buffers)])
 
 
 @pytest.mark.usefixtures("on_cpu")  # (the defaults asserted are a CPU's)
-def test_forward_context_settings_are_checked():
+def test_cache_settings_are_checked():
     with pytest.raises(ValueError, match="cache must be one of"):
-        ForwardContext(cache="paged")
-    with pytest.raises(ValueError, match="capture=True needs cache='static'"):
-        ForwardContext(capture=True)
+        open_kv(tiny_model(), "paged", 1, 64)
+    with pytest.raises(ValueError, match="a captured verify needs cache='static'"):
+        open_kv(tiny_model(), "dynamic", 1, 64, captured=True)
     model = tiny_model()
     with pytest.raises(ValueError, match="cache must be 'auto' or one of"):
         SpeculativeGenerator(model, None, draft="lookup", cache="paged")
@@ -99,31 +93,32 @@ def test_generation_on_the_static_cache_matches_greedy(draft, kind):
     heads = {"eagle3": lambda: random_eagle3(model, scale=0.05), "medusa": lambda: random_heads(model),
              None: lambda: None}[kind]()
     gen = SpeculativeGenerator(model, heads, draft=draft, cache="static")
-    assert gen.forward.cache == "static"  # (captured on an accelerator; the fast tier runs it uncompiled there)
+    assert gen.cache == "static"  # (captured on an accelerator; the fast tier runs it uncompiled there)
     assert_matches_greedy(gen, model, 6, seed=4)
     for prompt, new in repeating_prompts(model.config.vocab_size, seed=5, n=3):  # lookup branches accepted
         out = gen.generate(prompt, max_new_tokens=new)
         assert out.sequences.tolist() == greedy_reference(model, prompt, new).tolist()
 
 
-def _oracle_run(model, forward, n=3, capture=False):
-    """Rigged sequential heads (long paths through side branches: gathers in every commit) on ``forward``, their
-    passes captured or not; returns whether each output is greedy's, and the mean tau."""
+def _oracle_run(model, runner: Runner, n=3):
+    """Rigged sequential heads (long paths through side branches: gathers in every commit) on the static cache, run
+    by ``runner`` (its verifies and the heads' passes captured or not); returns whether each output is greedy's, and
+    the mean tau."""
     same, taus = [], []
     for i, (prompt, _) in enumerate(random_prompts(n, model.config.vocab_size, seed=5)):
         reference = greedy_reference(model, prompt, 40)
         drafter = OracleMTP(model, reference, p_top=0.6, seed=i).drafter(
-            model, DynamicTreeConfig(nodes=16, topk=3, depth=4, min_mass=0.2), capture=capture)
+            model, DynamicTreeConfig(nodes=16, topk=3, depth=4, min_mass=0.2))
+        drafter.passes = runner.passes
         with torch.no_grad():
-            tokens, stats = speculative_decode(model, drafter, prompt, 30, accept_greedy, greedy_root,
-                                               eos_ids(model.generation_config), forward=forward)
+            tokens, stats = decode_one(model, drafter, prompt, 30, runner=runner, cache="static")
         same.append(tokens == reference[0, prompt.shape[1]:][:len(tokens)].tolist())
         taus.append(stats.mean_tau)
     return same, sum(taus) / len(taus)
 
 
 def test_long_accepted_paths_commit_in_place_on_the_static_cache():
-    same, tau = _oracle_run(tiny_model("llama", seed=1), ForwardContext(cache="static"))
+    same, tau = _oracle_run(tiny_model("llama", seed=1), Runner())
     assert all(same) and tau > 3.0, (same, tau)
 
 
@@ -135,9 +130,9 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_and_says_so(monkeypatch)
 
     model = tiny_model("llama", seed=1)
     monkeypatch.setattr(capture_module.torch, "compile", broken_compile)
-    monkeypatch.setattr(sequential, "MODULE_CACHE", 8)  # the drafter's preallocated cache grows (twice) on the way
+    monkeypatch.setattr(capture_module, "MODULE_CACHE", 8)  # the preallocated module cache grows (twice) on the way
     with pytest.warns(CaptureFallbackWarning) as caught:
-        same, tau = _oracle_run(model, ForwardContext(cache="static", capture=True), n=2, capture=True)
+        same, tau = _oracle_run(model, Runner(capture=True), n=2)
     assert all(same) and tau > 3.0
     said = sorted({str(w.message) for w in caught if w.category is CaptureFallbackWarning})
     assert said == [f"capturing {name} failed (RuntimeError: no compiler here); running it eagerly"
@@ -174,8 +169,7 @@ def test_captured_calls_compile_a_graph_per_bucket_in_the_first_generation_and_n
     assert compiled[0]["Eagle3Heads.step"] == 1 and 1 <= compiled[0]["LlamaForCausalLM.forward"] <= 2, compiled
     # rigged heads: accepted paths of every length, each catching the module up by its length
     seen = dict(counters)
-    same, tau = _oracle_run(tiny_model("llama", seed=1), ForwardContext(cache="static", capture=True), n=3,
-                            capture=True)
+    same, tau = _oracle_run(tiny_model("llama", seed=1), Runner(capture=True), n=3)
     assert all(same) and tau > 3.0
     assert {name: c.frame_count for name, c in counters.items() if name not in seen} == {"OracleMTP.step": 1}
 
@@ -208,15 +202,15 @@ def test_the_capture_backend_is_chosen_by_setting_or_environment_and_checked(mon
 
 
 def test_a_captured_module_cache_is_kept_across_generations_and_grows_in_place_of_the_old():
-    """Captured drafters of one heads module in one thread use one preallocated module cache, whichever generation or
+    """Captured passes of one heads module in one thread use one preallocated module cache, whichever generation or
     generator drafts (its addresses are in the recorded graphs); a generation that needs more entries replaces it with
-    a larger one, which later drafters keep."""
+    a larger one holding the old one's entries, which later passes keep."""
     model = tiny_model("llama", seed=3)
     heads = random_eagle3(model, scale=0.05)
-    config = DynamicTreeConfig(nodes=8, topk=4, min_mass=0)
-    first, second = heads.drafter(model, config, capture=True), heads.drafter(model, config, capture=True)
-    assert first.cache is second.cache and heads.drafter(model, config).cache is not first.cache
-    keys = first.cache.layers[0].keys
+    passes = capture_module.CAPTURED
+    first = passes._cache(heads, torch.device("cpu"), 10)
+    assert passes._cache(heads, torch.device("cpu"), 100) is first
+    keys = first.layers[0].keys
     gens = [SpeculativeGenerator(model, heads, draft=d, cache="static", capture=True) for d in ("heads", "hybrid")]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(capture_module.torch, "compile", lambda fn, **kw: fn)
@@ -224,11 +218,11 @@ def test_a_captured_module_cache_is_kept_across_generations_and_grows_in_place_o
             prompt, new = next(iter(random_prompts(1, model.config.vocab_size, seed=4)))
             assert gen.generate(prompt, max_new_tokens=new).sequences.tolist() == \
                 greedy_reference(model, prompt, new).tolist()
-        assert heads.drafter(model, config, capture=True).cache.layers[0].keys is keys
-        grown = heads.drafter(model, config, capture=True)
-        grown._reserve(sequential.MODULE_CACHE + 1)
-        assert grown.cache.layers[0].max_cache_len == 2 * sequential.MODULE_CACHE
-        assert heads.drafter(model, config, capture=True).cache is grown.cache
+        assert passes._cache(heads, torch.device("cpu"), 10).layers[0].keys is keys
+        grown = passes._cache(heads, torch.device("cpu"), capture_module.MODULE_CACHE + 1)
+        assert grown.layers[0].max_cache_len == 2 * capture_module.MODULE_CACHE
+        assert torch.equal(grown.layers[0].keys[:, :, : capture_module.MODULE_CACHE], keys)
+        assert passes._cache(heads, torch.device("cpu"), 10) is grown
 
 
 class ReplayedOutputs:
@@ -262,9 +256,9 @@ def test_no_output_of_a_captured_call_is_read_after_the_next_one(monkeypatch, dr
                                           else fn(*a, **k)))
     drafted: list[list[int]] = []
 
-    def recording_verify(model, cache, tokens, *args):
-        drafted.append(tokens.tolist())
-        return verify(model, cache, tokens, *args)
+    def recording_verify(model, kv, drafts, *args):
+        drafted.append([d.tokens.tolist() for d in drafts])
+        return verify(model, kv, drafts, *args)
 
     monkeypatch.setattr(loop, "verify", recording_verify)
     model = tiny_model("llama", seed=3)
@@ -307,15 +301,39 @@ def test_captured_rounds_match_greedy():
 
 def test_a_static_cache_is_reused_while_it_fits():
     model, other = tiny_model(max_position_embeddings=8192), tiny_model(seed=1, max_position_embeddings=8192)
-    context = ForwardContext(cache="static")
-    first = context.static_cache(model, 300)
-    assert first.max_len == 1024 and context.static_cache(model, 1024) is first  # one shape for most generations
-    assert ForwardContext(cache="static").static_cache(model, 500) is first  # another generator's generation too
-    assert context.static_cache(other, 10) is not first  # another backbone's
-    assert context.static_cache(model, 1025).max_len == 2048
-    captured = ForwardContext(cache="static", capture=True)  # each length is a graph per bucket: fewer lengths
-    assert captured.static_cache(model, 300).max_len == captured.static_cache(model, 4000).max_len == 4096
-    assert captured.static_cache(model, 4097).max_len == 8192
+    first = open_kv(model, "static", 1, 300).cache
+    assert first.layers[0].max_cache_len == 1024 and open_kv(model, "static", 1, 1024).cache is first  # one shape
+    assert open_kv(model, "static", 1, 500).cache is first  # another generator's generation too (one per thread)
+    assert open_kv(other, "static", 1, 10).cache is not first  # another backbone's
+    assert open_kv(model, "static", 4, 10).cache.layers[0].keys.shape[0] == 4  # another batch size
+    assert open_kv(model, "static", 1, 1025).cache.layers[0].max_cache_len == 2048
+    length = lambda positions: open_kv(model, "static", 1, positions, captured=True).cache.layers[0].max_cache_len
+    assert length(300) == length(4000) == 4096  # each length is a graph per bucket: fewer lengths
+    assert length(4097) == 8192
     short = tiny_model()  # no longer than its context needs, as a power of two
     assert short.config.max_position_embeddings == 256
-    assert ForwardContext(cache="static", capture=True).static_cache(short, 300).max_len == 512
+    assert open_kv(short, "static", 1, 300, captured=True).cache.layers[0].max_cache_len == 512
+
+
+def test_rows_that_finish_stay_in_a_static_cache_as_padding_and_leave_a_growing_one():
+    """Rows of one generation commit paths of different lengths (holes in the shorter rows), then one row finishes:
+    a growing cache drops it, a static one keeps it as a padding row (the verify's shape stays); either way the next
+    verify of the remaining row computes what a plain forward of that row's path computes."""
+    model = tiny_model("llama", seed=2)
+    prefix = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(3, 96, (2, TREE.num_nodes), generator=torch.Generator().manual_seed(6))
+    nxt = torch.randint(3, 96, (3,), generator=torch.Generator().manual_seed(7))
+    paths = [[0, 1, 4, 7], [0, 3]]
+    for kv in (open_kv(model, "dynamic", 2, 64), StaticKV(2, static_cache(model, 2, 64))):
+        with torch.no_grad():
+            kv.prefill(model, prefix, torch.ones_like(prefix, dtype=torch.bool), [[0, 1]], None)
+            verify(model, kv, [tree_draft(tokens[i], TREE.buffers) for i in range(2)])
+            kv.commit(paths, [torch.tensor(p) for p in paths])
+            assert kv.ends == [10, 8] and kv.live[1].tolist() == [True] * 8 + [False] * 2  # a hole
+            kv.drop([1])
+            assert kv.cache_rows == (2 if isinstance(kv, StaticKV) else 1)
+            chain = Tree([(0,), (0, 0)])
+            got = verify(model, kv, [tree_draft(nxt, chain.buffers)]).logits[0]
+            seq = torch.cat([prefix[1], tokens[1, paths[1]], nxt])[None]
+            ref = model(seq).logits[0, -3:]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

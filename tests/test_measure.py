@@ -217,13 +217,13 @@ def test_a_smaller_auto_calibration_drafts_on_less_text_and_is_cached_apart(tmp_
     heads = random_heads(model)
     monkeypatch.setenv("TOKENMAXX_CACHE", str(tmp_path))
     monkeypatch.setattr(autotune, "CALIBRATION_PROMPTS", ("count to ten.", "name a colour."))
-    loop_tokens, decode = [], autotune.speculative_decode
+    loop_tokens, decode = [], autotune.decode
 
-    def spy(model, drafter, ids, max_new_tokens, *args, **kwargs):
+    def spy(model, drafters, ids, max_new_tokens, *args, **kwargs):
         loop_tokens.append(max_new_tokens)
-        return decode(model, drafter, ids, max_new_tokens, *args, **kwargs)
+        return decode(model, drafters, ids, max_new_tokens, *args, **kwargs)
 
-    monkeypatch.setattr(autotune, "speculative_decode", spy)
+    monkeypatch.setattr(autotune, "decode", spy)
     small = autotune.Calibration(prompts=1, tokens=16)
     tree = autotune.auto_tree(model, heads, tok, calibration=small)
     [path] = [f for f in (tmp_path / "calibration").glob("*.json") if not f.name.startswith("latency-")]

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (HostTraffic, OracleMTP, greedy_reference, random_eagle3, random_heads, random_prompts,
-                     repeating_prompts, tiny_model)
+from helpers import (HostTraffic, OracleMTP, decode_one, greedy_reference, random_eagle3, random_heads,
+                     random_prompts, repeating_prompts, tiny_model)
 
 from tokenmaxx.heads import Tree
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig, Frontier, grow_tree
 from tokenmaxx.heads.drafting import Outcome
 from tokenmaxx.inference.costs import Costs, VerifyLatency
-from tokenmaxx.inference.decoding import accept_greedy
 from tokenmaxx.inference.drafting import DraftSettings, make_drafter
-from tokenmaxx.inference.forward import ForwardContext
-from tokenmaxx.inference.loop import eos_ids, greedy_root, speculative_decode
 
 class Marking:
     """A drafter that marks the traffic counter at the start of each round (its ``propose``)."""
@@ -38,6 +35,9 @@ class Marking:
     def observe(self, outcome: Outcome) -> None:
         self.drafter.observe(outcome)
 
+    def share_forward(self, rows: int) -> None:
+        self.drafter.share_forward(rows)
+
 
 def round_traffic(model, drafter, prompt: torch.Tensor, new_tokens: int = 40,
                   cache: str = "dynamic") -> list[tuple[int, int]]:
@@ -45,8 +45,7 @@ def round_traffic(model, drafter, prompt: torch.Tensor, new_tokens: int = 40,
     the first reads what the prefill left, the last the generation's totals)."""
     traffic = HostTraffic()
     with traffic, torch.no_grad():  # (not inference_mode: its tensors' reads pass the dispatch mode by)
-        speculative_decode(model, Marking(drafter, traffic), prompt, new_tokens, accept_greedy, greedy_root,
-                           eos_ids(model.generation_config), timed=False, forward=ForwardContext(cache=cache))
+        decode_one(model, Marking(drafter, traffic), prompt, new_tokens, timed=False, cache=cache)
     marks = traffic.marks
     # the last rounds have less room than the trees' depth: their cut trees are new shapes, compiled once
     rounds = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])][1:-4]
@@ -78,7 +77,7 @@ def test_the_counter_sees_reads_and_copies():
 @pytest.mark.parametrize("stop_early,cache", [(False, "dynamic"), (True, "dynamic"), (False, "static")])
 def test_a_sequential_heads_round_reads_once(llama, stop_early, cache):
     heads = random_eagle3(llama, num_heads=3)
-    drafter = heads.drafter(llama, DynamicTreeConfig(nodes=12, topk=4, min_mass=0.3), capture=cache == "static")
+    drafter = heads.drafter(llama, DynamicTreeConfig(nodes=12, topk=4, min_mass=0.3))
     drafter.stop_early = stop_early
     rounds = round_traffic(llama, drafter, _prompt(llama), cache=cache)
     levels = drafter.depth - 1  # the checks growing a tree may read: one per level after the first
@@ -144,8 +143,7 @@ def test_sequential_drafts_grown_on_the_device_match_greedy(stop_early):
             model, DynamicTreeConfig(nodes=16, topk=3, depth=4, min_mass=0.2))
         drafter.stop_early = stop_early
         with torch.no_grad():
-            tokens, stats = speculative_decode(model, drafter, prompt, 30, accept_greedy, greedy_root,
-                                               eos_ids(model.generation_config))
+            tokens, stats = decode_one(model, drafter, prompt, 30)
         assert tokens == reference[0, prompt.shape[1]:][:len(tokens)].tolist(), i
         taus.append(stats.mean_tau)
     assert sum(taus) / len(taus) > 2.0, taus  # the paths really were accepted

@@ -2,9 +2,9 @@
 
 import pytest
 from helpers import (OracleHeads, broken_accept, chi2_pvalue, exact_pair, greedy_reference, random_heads,
-                     seeded_generator, tiny_model)
+                     prefilled, seeded_generator, tiny_model, tree_draft)
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 
 import tokenmaxx.inference.generator as generator_module
 from tokenmaxx.inference import SpeculativeGenerator, Tree, verify
@@ -103,10 +103,8 @@ def _round_pvalue(accept, settings, n=12000):
     drafts = p_root.argsort(descending=True)  # draft the likeliest tokens so many are accepted, some rejected
     tokens = torch.tensor([root, drafts[0], drafts[1], drafts[2], drafts[1], drafts[0], drafts[0], drafts[3]])
     buffers = TREE.buffers
-    cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prefix[None], past_key_values=cache, use_cache=True)
-        logits = verify(model, cache, tokens, buffers, prefix.numel()).logits  # [N, V]
+        logits = verify(model, prefilled(model, prefix[None]), [tree_draft(tokens, buffers)]).logits[0]  # [N, V]
     vocab = model.config.vocab_size
     cond = exact / exact.sum(1, keepdim=True)  # [V, V] p(t2 | t1)
     gen = _gen(123)

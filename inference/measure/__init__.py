@@ -1,7 +1,7 @@
 """Measuring this machine for the method: what a round's parts cost here, and the trees that pay.
 
 Nothing in the method (``loop``, the drafters, ``decoding``) imports this package; it is handed what was measured as
-a value (``costs.Costs``, ``forward.ForwardContext``). Each measurement is cached per backbone, heads and machine
+a value (``costs.Costs``, ``runner.Runner``). Each measurement is cached per backbone, heads and machine
 (``store``), so it runs once:
 
 - ``small_rows``: the tree sizes whose verifies are faster with the linear layers transposed (CPU BLAS);

@@ -35,8 +35,8 @@ from tokenmaxx.heads.attention import shared_kv_kwargs
 from tokenmaxx.heads.modeling import backbone_features
 
 from ..decoding import accept_greedy
-from ..forward import ForwardContext, Plan, plan_record
-from ..loop import eos_ids, greedy_root, speculative_decode
+from ..loop import decode, eos_ids, greedy_root
+from ..runner import Plan, Runner, plan_record
 from .latency import cached_latency, drafts_along
 from .store import cache_path, calibration_key, machine_fingerprint, write_record
 from .tree_search import choose_tree, ordered_paths_from_ranks
@@ -171,13 +171,14 @@ def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3,
     measured then."""
     ids = _chat_ids(tokenizer, CALIBRATION_PROMPTS[0], model.get_output_embeddings().weight.device)
     eos = eos_ids(model.generation_config)
-    forward = ForwardContext(attention=shared_kv_kwargs(model))
+    runner = Runner(attention=shared_kv_kwargs(model))
     samples: dict = {key: [] for key in trees}
     rounds = [(key, tree) for _ in range(repeats) for key, tree in trees.items()]
     for key, tree in tqdm(rounds, desc="tree='auto': timing the decode loop", unit="run", leave=False,
                           file=sys.stderr):
-        _, s = speculative_decode(model, heads.drafter(model, tree), ids, max_new_tokens, accept_greedy, greedy_root,
-                                  eos, forward=forward, timed=True)
+        _, stats = decode(model, [heads.drafter(model, tree)], ids, max_new_tokens, accept_greedy, greedy_root, eos,
+                          runner=runner, timed=True)
+        s = stats.rows[0]
         samples[key].append(max(s.decode_seconds - s.phase_seconds["verify"], 0.0) / max(s.steps, 1))
     return {key: statistics.median(values) for key, values in samples.items()}
 

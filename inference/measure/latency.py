@@ -26,7 +26,7 @@ from tokenmaxx.heads.drafting import propose_rows
 from tokenmaxx.heads.modeling import backbone_features
 
 from ..costs import VerifyLatency
-from ..forward import Plan, as_plan, plan_record
+from ..runner import Plan, as_plan, plan_record
 from tokenmaxx.heads.machine import clock
 from .small_rows import VerifyTimer
 from .store import CALIBRATION_VERSION, backbone_key, cache_path, calibration_key, machine_fingerprint, write_record
@@ -121,7 +121,7 @@ def cached_latency(model, cache_root: Path | None = None, refresh: bool = False,
                    prefix_lens: Sequence[int] = PREFIX_LENS, small_rows: Plan = 0) -> VerifyLatency:
     """The fitted verify latency (``fit_latency`` of the median ``measure_latency``) of this backbone on this machine
     at a few cache lengths, measured once and cached; ``small_rows``: as the verifies compute their linear layers
-    (``forward.transposed_linears``), part of the cache key."""
+    (``runner.transposed_linears``), part of the cache key."""
     machine = machine_fingerprint(model)
     path = latency_path(model, small_rows, prefix_lens, cache_root)
     if path.is_file() and not refresh:

@@ -1,5 +1,5 @@
 """This machine's small-row plan: the tree sizes whose verifies are faster with the backbone's linear layers computed
-as ``(W @ x^T)^T`` (``forward.transposed_linears``, which explains why), measured once per backbone and machine.
+as ``(W @ x^T)^T`` (``runner.transposed_linears``, which explains why), measured once per backbone and machine.
 
 The verify forward itself is timed for each tree size in ``SMALL_ROW_SIZES`` with the products transposed in the
 lm_head, in the other layers, in both or in neither; each size keeps what won by at least ``MIN_GAIN``. Neighbouring
@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..forward import PARTS, Plan, plan_record, transposed_linears
+from ..runner import PARTS, Plan, plan_record, transposed_linears
 from tokenmaxx.heads.machine import clock
 from .store import CALIBRATION_VERSION, backbone_key, cache_path, machine_fingerprint, write_record
 
