@@ -466,10 +466,6 @@ def _is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
-def _is_text_or_chat(prompt) -> bool:
-    return isinstance(prompt, str) or _is_chat(prompt)
-
-
 def _check_messages(messages) -> None:
     """ValueError for a chat message without text: a missing, empty or whitespace-only ``content``."""
     for i, message in enumerate(messages):

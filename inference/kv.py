@@ -1,24 +1,22 @@
-"""The backbone's KV cache for the rows of a generation: one interface (``KV``), a growing and a preallocated layout.
+"""The backbone's KV cache for the rows of a generation: one interface (``KV``), a growing and a preallocated layout,
+chosen in one place (``open_kv``).
 
-Layout (both): the prompts are left-padded, so after the prefill every row's entries end at the same index W; from
-then on each row keeps its own length L_b. A round writes every row's tree at the common end W = max L_b, then each
-row gathers its accepted path to L_b..L_b+m_b and the end moves to the new max L_b. A row that accepted less than the
+Layout: the prompts are left-padded, so after the prefill every row's entries end at the same index W; from then on
+each row keeps its own length L_b. A round writes every row's tree at the common end W = max L_b, then each row
+gathers its accepted path to L_b..L_b+m_b and the end moves to the new max L_b. A row that accepted less than the
 longest holds stale entries between its L_b and W ("holes"): ``live`` [R, W] marks each row's live entries, and the
-verify mask lets a node see exactly its row's live prefix and its own ancestors. Position ids are per row (its tokens
-so far, plus the node's depth), so a row computes what it would alone. Holes were chosen over compacting every row to a
-common length each round (a copy of the whole cache per round, or per-row shifts of it) because they cost nothing but
-mask columns: at most the spread of the rows' accepted lengths since the last crop. One row never has holes.
+verify mask lets a node see exactly its row's live prefix and its ancestors. Position ids are per row (its tokens so
+far plus the node's depth), so a row computes what it would alone. Holes cost nothing but mask columns (at most the
+spread of the rows' accepted lengths), where compacting the rows would copy the cache every round. One row has none.
+The padding rule, for every layout: trees are padded to a common node count (a static cache's bucket), and a padding
+node sees only itself, so it changes no real node's logits.
 
-The padding rule, for every tree of every layout: trees are padded to a common node count (and a static cache's
-bucket), and a padding node sees only itself, so no real node sees it and it changes no real node's logits.
-
-- ``GrowingKV``: transformers' ``DynamicCache``; a verify appends its nodes and the commit crops back to the end, so
-  every forward has new shapes (fine eagerly; the CPU's default). A finished row is dropped from the cache.
-- ``StaticKV``: transformers' ``StaticCache``, allocated once for ``max_len`` positions (at fixed addresses, reused by
-  the thread's next generation of as many rows while it fits, ``open_kv``); trees padded to ``bucket(N, buckets)``,
-  the mask spanning the whole cache, the write position set instead of cropping. A finished row stays as a padding
-  row (one node that sees itself), so every verify has one of len(buckets) shapes, which a captured forward
-  (``runner.Runner``) compiles once each. The accelerator's default.
+- ``GrowingKV`` (transformers' ``DynamicCache``): a verify appends, the commit crops back; a finished row is dropped.
+  Every forward has new shapes: fine eagerly, the CPU's default.
+- ``StaticKV`` (transformers' ``StaticCache``, allocated once for ``max_len`` positions at fixed addresses): trees
+  padded to ``bucket(N, buckets)``, the mask over the whole cache, the write position set instead of cropping; a
+  finished row stays as a padding row. A verify has one of len(buckets) shapes, which a captured forward
+  (``runner.Runner``) compiles once each: the accelerator's default.
 
 Letters: B rows of the cache, R active rows, N tree nodes, W the common end, F features the drafter reads.
 """
@@ -85,9 +83,6 @@ class KV:
     def end(self) -> int:
         return max(self.ends)
 
-    def layers(self):
-        return self.cache.layers
-
     def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]],
                 feature_layers) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts' forwards: input_ids and attention_mask [B, T] left-padded, in ``groups`` of rows (one
@@ -141,7 +136,8 @@ class KV:
         visible = torch.zeros(self.cache_rows, size, columns, dtype=torch.bool, device=device)
         own = torch.arange(size, device=device)
         visible[:, own, common + own] = True  # every node sees itself (a padding node: only itself)
-        visible[active, :n, :common] = self.live[:, None, :] if real is None else self.live[:, None, :] & real[..., None]
+        prefix = self.live[:, None, :]  # [R, 1, W]
+        visible[active, :n, :common] = prefix if real is None else prefix & real[..., None]
         visible[active, :n, common: common + n] |= tree
         ids = torch.zeros(self.cache_rows, size, dtype=torch.long, device=device)
         ids[active, :n] = tokens
@@ -168,7 +164,7 @@ class KV:
             rows = torch.cat([torch.full((len(paths[i]),), self.active[i], device=device) for i in moved])
             dst = torch.cat([torch.arange(self.ends[i], new_ends[i], device=device) for i in moved])
             src = torch.cat([common + nodes[i] for i in moved])
-            for layer in self.layers():
+            for layer in self.cache.layers:
                 layer.keys[rows, :, dst] = layer.keys[rows, :, src]  # (the right side is gathered before it is written)
                 layer.values[rows, :, dst] = layer.values[rows, :, src]
         longest = max(new_ends)
@@ -191,22 +187,13 @@ class KV:
     def cache_rows(self) -> int:
         return len(self.active)
 
-    # ---- the layout's own --------------------------------------------------------------------------------------------
-    def _allocate(self, model, parts: list, width: int):
-        raise NotImplementedError
-
-    def _columns(self, needed: int) -> int:
-        """The entries a verify that needs ``needed`` attends over."""
-        raise NotImplementedError
-
-    def _write_at(self, position: int) -> None:
-        """Where the next forward writes."""
-
-    def _set_end(self, end: int) -> None:
-        raise NotImplementedError
-
-    def _drop(self, keep: list[int]) -> None:
-        raise NotImplementedError
+    # the layout's own: the layers the prefill fills, the columns a verify attends over, where the next forward writes,
+    # the end after a commit, the rows after a drop
+    def _allocate(self, model, parts: list, width: int): ...
+    def _columns(self, needed: int) -> int: ...
+    def _write_at(self, position: int) -> None: ...
+    def _set_end(self, end: int) -> None: ...
+    def _drop(self, keep: list[int]) -> None: ...
 
 
 class GrowingKV(KV):

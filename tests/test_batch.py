@@ -1,6 +1,7 @@
 """Batches (``loop.decode`` over several rows, ``SpeculativeGenerator.generate`` with several prompts; one prompt is a
-batch of one row, through the same code): every row's output is what that prompt gives alone (fp32 greedy: token for token; sampling: the same distribution), rows of different lengths
-drift apart and finish apart, the node budget follows the load, and bad batches are refused before any work."""
+batch of one row, through the same code): every row's output is what that prompt gives alone (fp32 greedy: token for
+token; sampling: the same distribution), rows of different lengths drift apart and finish apart, the node budget
+follows the load, a captured generator captures batches too, and bad batches are refused before any work."""
 
 from __future__ import annotations
 
