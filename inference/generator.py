@@ -27,7 +27,7 @@ from .budget import GateConfig
 from .costs import Costs
 from .decoding import accept_greedy, each_row
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mode, make_drafter
-from .kv import CACHES
+from .kv import CACHES, static_length
 from .lookup import LookupConfig
 from .loop import STATIC_MARGIN, BatchStats, GenerationStats, decode, eos_ids, greedy_root
 from .record import Recorder
@@ -310,15 +310,18 @@ class SpeculativeGenerator:
 
     def _check_memory(self, rows: int, positions: int) -> None:
         """MemoryError before the prefill when a batch of ``rows`` rows of up to ``positions`` cache entries (plus
-        the largest tree each) would not fit in ``MEMORY_HEADROOM`` of the memory free now: the KV cache, and the
-        verify's logits (rows x nodes x vocabulary, in fp32 for the acceptance)."""
+        the largest tree each; a static cache: the positions it is allocated with) would not fit in
+        ``MEMORY_HEADROOM`` of the memory free now: the KV cache, and the verify's logits (rows x nodes x vocabulary,
+        in fp32 for the acceptance)."""
         config = self.model.config
         weight = self.model.get_output_embeddings().weight
         layers = getattr(config, "num_hidden_layers", 0)
         kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(config.num_attention_heads, 1)
         nodes = STATIC_MARGIN
-        cache = rows * (positions + nodes) * layers * 2 * kv_heads * head_dim * weight.element_size()
+        entries = positions + nodes if self.cache == "dynamic" else static_length(self.model, positions + nodes,
+                                                                                   self.capture)
+        cache = rows * entries * layers * 2 * kv_heads * head_dim * weight.element_size()
         logits = rows * nodes * weight.shape[0] * 4
         need, free = cache + logits, free_memory(weight.device)
         if free is not None and need > MEMORY_HEADROOM * free:

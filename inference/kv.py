@@ -283,12 +283,16 @@ def open_kv(model, kind: str, rows: int, positions: int, captured: bool = False)
     pooled = getattr(_POOL, "static", None)
     if pooled is None or pooled[0]() is not model or pooled[1:3] != (rows, buckets) or pooled[3].layers[
             0].max_cache_len < positions:
-        length = max(MIN_CAPTURED if captured else MIN_STATIC, _power_of_two(positions))
-        context = getattr(model.config, "max_position_embeddings", None)  # (no generation needs more)
-        if context:
-            length = min(length, _power_of_two(max(context, positions)))
+        length = static_length(model, positions, captured)
         pooled = _POOL.static = (weakref.ref(model), rows, buckets, static_cache(model, rows, length))
     return StaticKV(rows, pooled[3], buckets)
+
+
+def static_length(model, positions: int, captured: bool = False) -> int:
+    """The positions of a new static cache for a generation of ``positions`` (``open_kv``)."""
+    length = max(MIN_CAPTURED if captured else MIN_STATIC, _power_of_two(positions))
+    context = getattr(model.config, "max_position_embeddings", None)  # (no generation needs more)
+    return min(length, _power_of_two(max(context, positions))) if context else length
 
 
 def static_cache(model, rows: int, length: int) -> StaticCache:

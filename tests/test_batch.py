@@ -241,6 +241,19 @@ def test_bad_batches_are_refused_with_the_row_named(monkeypatch):
     assert calls == []  # refused before the prefill
 
 
+def test_a_static_cache_is_counted_at_the_size_it_is_allocated(monkeypatch):
+    """The memory check of a batch counts a static cache at the positions it is allocated with (a power of two, at
+    least ``kv.MIN_STATIC``), not at what the rows need: 1 MiB free holds two rows of 12 positions on a growing cache,
+    not on a static one."""
+    monkeypatch.setattr(generator_module, "free_memory", lambda device: 1 << 20)
+    monkeypatch.setattr(generator_module, "decode", lambda *a, **k: 1 / 0)
+    model = tiny_model()
+    with pytest.raises(ZeroDivisionError):  # (past the check: the stand-in decode)
+        SpeculativeGenerator(model, None, draft="lookup").generate([[5, 6], [7, 8]], max_new_tokens=10)
+    with pytest.raises(MemoryError, match=r"KV cache 512\.0 KiB"):
+        SpeculativeGenerator(model, None, draft="lookup", cache="static").generate([[5, 6], [7, 8]], max_new_tokens=10)
+
+
 def _batch_pvalue(monkeypatch, broken: bool, calls: int = 30, rows: int = 50):
     """Rows of two prompts of different lengths in each batch; the 2nd and 3rd new tokens of the first prompt's rows
     against the exact distribution of plain sampling."""
