@@ -159,8 +159,8 @@ class SequentialHeads(DraftHeads):
 
 
 class SequentialDrafter:
-    """Drafts dynamic trees (``dynamic_tree.expand_tree``) with sequential heads; owns the module's KV cache (depth-1
-    entries of accepted anchors).
+    """Drafts dynamic trees (``dynamic_tree.expand_tree``) with sequential heads; its module cache holds the depth-1
+    entries of accepted anchors (its own, when its passes run as they are; the passes' own when they are captured).
 
     Use: ``start`` after the backbone's prefill, then per round ``propose`` -> (verify, accept, commit) -> ``observe``
     (which adds the accepted positions to the module cache through ``advance``).
@@ -306,7 +306,7 @@ class SequentialDrafter:
                 frontier = growth.send(self._logprobs(out))  # [F, V or Vd]
         except StopIteration as stop:
             grown = stop.value
-        finally:  # drop the tree's entries (passes that keep their own cache write over them: ``drafting.Eager``)
+        finally:  # drop the tree's entries (captured passes keep their own cache, where the next pass writes over them)
             if self.cache.get_seq_length() > cached:  # (crop takes a negative count)
                 self.cache.crop(cached - self.cache.get_seq_length())
         return Draft(tokens=grown.tokens, buffers=grown.buffers, sources=torch.full_like(grown.tokens, HEADS),

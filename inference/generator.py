@@ -204,12 +204,12 @@ class SpeculativeGenerator:
         loaded = load_heads(heads, revision=revision) if heads is not None else None
         return cls.create(model, loaded, tokenizer=tokenizer, tree=tree, **kwargs)
 
-    def make_drafter(self):
-        """A fresh drafter for one generation (one row's), its heads' passes run as the generator's runner runs
+    def make_drafter(self, row: int = 0):
+        """A fresh drafter for one generation (of its ``row``), its heads' passes run as the generator's runner runs
         them."""
         return make_drafter(self.draft, self.model, self.heads, DraftSettings(
             tree=self.tree_settings, lookup=self.lookup, gate=self.gate, draft_vocab=self.draft_vocab,
-            costs=self.costs, passes=self.runner.passes))
+            costs=self.costs, passes=self.runner.passes(row)))
 
     def describe(self) -> str:
         """What drafts, e.g. "hybrid drafting: dynamic tree, 8 nodes + prompt lookup"."""
@@ -413,7 +413,7 @@ class SpeculativeGenerator:
         for i, ids in enumerate(rows):
             input_ids[i, width - ids.shape[1]:], mask[i, width - ids.shape[1]:] = ids[0], True
         choose_root = (lambda logits, row: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
-        drafters = [self.make_drafter() for _ in rows]
+        drafters = [self.make_drafter(row) for row in range(len(rows))]
         if recorder is not None:
             drafters = [recorder.wrap(d) for d in drafters]
         tokens, stats = decode(self.model, drafters, input_ids, max_new, accept, choose_root, eos_ids(config),

@@ -40,7 +40,8 @@ MIN_STATIC = 1024  # the smallest static cache (positions): most generations fit
 MIN_CAPTURED = 4096  # ... when its forwards are captured: each cache length is another graph per bucket (a compile),
 # and prompts of a few thousand tokens are common; the price is each verify attending over the whole cache
 CACHES = ("dynamic", "static")
-_POOL = threading.local()  # .static: this thread's last StaticCache (``open_kv``), with its model, rows and buckets
+_POOL = threading.local()  # .static: this thread's static caches (``open_kv``)
+POOLED = 4  # static caches a thread keeps (the most recently used)
 
 
 def bucket(n: int, sizes: tuple[int, ...]) -> int:
@@ -269,10 +270,11 @@ def open_kv(model, kind: str, rows: int, positions: int, captured: bool = False)
     largest padded tree): the one place a layout is chosen. ``kind``: "dynamic" (``GrowingKV``) or "static"
     (``StaticKV``); ``captured``: its verifies are captured (a static cache, padded to ``CAPTURE_BUCKETS``).
 
-    A static cache is this thread's last one when it is for ``model``, as many rows and these tree sizes and large
-    enough (whichever generator made it: a thread runs one generation at a time), else a new one of the next power of
-    two positions (at least ``MIN_STATIC``, ``MIN_CAPTURED`` when captured; at most the one that holds the model's
-    context): one address and one mask width, so a captured forward is recorded once, not per prompt length."""
+    A static cache is the one this thread last used for ``model``, as many rows and these tree sizes, when it is large
+    enough (whichever generator made it: a thread runs one generation at a time; the ``POOLED`` most recently used
+    are kept), else a new one of the next power of two positions (at least ``MIN_STATIC``, ``MIN_CAPTURED`` when
+    captured; at most the one that holds the model's context): one address and one mask width, so a captured forward
+    is recorded once, not per prompt length, nor again when one prompt and batches take turns."""
     if kind not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {kind!r}")
     if captured and kind != "static":
@@ -280,12 +282,17 @@ def open_kv(model, kind: str, rows: int, positions: int, captured: bool = False)
     if kind == "dynamic":
         return GrowingKV(rows)
     buckets = CAPTURE_BUCKETS if captured else BUCKETS
-    pooled = getattr(_POOL, "static", None)
-    if pooled is None or pooled[0]() is not model or pooled[1:3] != (rows, buckets) or pooled[3].layers[
-            0].max_cache_len < positions:
-        length = static_length(model, positions, captured)
-        pooled = _POOL.static = (weakref.ref(model), rows, buckets, static_cache(model, rows, length))
-    return StaticKV(rows, pooled[3], buckets)
+    pool = _POOL.__dict__.setdefault("static", {})  # (id(model), rows, buckets) -> (model ref, cache), oldest first
+    key = (id(model), rows, buckets)
+    ref, cache = pool.pop(key, (None, None))
+    if ref is None or ref() is not model or cache.layers[0].max_cache_len < positions:
+        ref, cache = weakref.ref(model), static_cache(model, rows, static_length(model, positions, captured))
+    pool[key] = ref, cache  # (the most recently used last)
+    for stale in [k for k, (r, _) in pool.items() if r() is None]:
+        del pool[stale]  # (a backbone that is gone)
+    while len(pool) > POOLED:
+        del pool[next(iter(pool))]
+    return StaticKV(rows, cache, buckets)
 
 
 def static_length(model, positions: int, captured: bool = False) -> int:

@@ -123,7 +123,7 @@ class BatchStats(Throughput):
 
     rows: list[GenerationStats]
     forwards: int = 0  # backbone forwards after the prefill (each verifies every active row's tree)
-    drafting_forwards: int = 0  # of those, the rounds whose rows drafted (the others: plain batched decoding)
+    drafting_forwards: int = 0  # of those, the rounds in which some row verified a tree (others: plain decoding)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     active_per_forward: list[int] = field(default_factory=list)  # rows still generating at each forward
@@ -302,7 +302,7 @@ def decode(model, drafters: Sequence, input_ids: torch.Tensor, max_new_tokens: i
         tick(times)
         commit(kv, results)
         stats.forwards += 1
-        stats.drafting_forwards += drafting
+        stats.drafting_forwards += any(draft.num_nodes > 1 for draft in drafts)
         stats.active_per_forward.append(load)
         stats.nodes_per_forward.append(verified.logits.shape[1])
         if drafting and gate is not None:

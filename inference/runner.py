@@ -186,14 +186,15 @@ class CapturedPasses:
     """How a drafter's passes run when captured (``heads.drafting.Eager`` is the default): a call through
     ``captured``; a sequential module's pass (``heads.sequential.ModulePass``) at a fixed shape, its n queries padded
     to ``bucket(n, MODULE_BUCKETS)`` (padding queries see only themselves, and no real query sees them; their entries
-    land past the real ones, where the next pass writes) over this thread's preallocated module cache of those heads,
-    the mask spanning all of it. The cache is kept across generations (the recorded graphs hold its addresses; a new
-    one per generation would record every graph again) and doubled when a generation needs more."""
+    land past the real ones, where the next pass writes) over a preallocated module cache of those heads, the mask
+    spanning all of it: this thread's cache of row ``slot`` (a batch's rows each draft with their own slot's, so no
+    row writes over another's entries). A cache is kept across generations (the recorded graphs hold its addresses; a
+    new one per generation would record every graph again) and doubled when a generation needs more."""
 
     together = False  # (fixed shapes: a batch's rows pass one by one)
 
-    def __init__(self):
-        self._caches = threading.local()  # .by_heads: heads -> its module cache in this thread
+    def __init__(self, slot: int = 0):
+        self.slot = slot
 
     def call(self, module: nn.Module, name: str, fn: Callable, *args):
         return captured(module, name, fn, *args)
@@ -225,10 +226,11 @@ class CapturedPasses:
         """This thread's module cache of ``heads``, of at least ``width`` entries (its layers allocated up front, so
         that the first captured pass sees the cache every later pass sees): the current one, or one twice as large
         (or more) holding its entries."""
-        pool = getattr(self._caches, "by_heads", None)
+        pool = getattr(_MODULE_CACHES, "by_heads", None)
         if pool is None:
-            pool = self._caches.by_heads = weakref.WeakKeyDictionary()
-        old = pool.get(heads)
+            pool = _MODULE_CACHES.by_heads = weakref.WeakKeyDictionary()
+        slots = pool.setdefault(heads, {})
+        old = slots.get(self.slot)
         layer = old.layers[0] if old is not None else None
         if layer is not None and layer.max_cache_len >= width and layer.keys.device == device \
                 and layer.keys.dtype == heads.dtype:
@@ -246,11 +248,11 @@ class CapturedPasses:
             for new, was in zip(cache.layers, old.layers):  # (a generation that outgrew it keeps its entries)
                 new.keys[:, :, : was.max_cache_len] = was.keys
                 new.values[:, :, : was.max_cache_len] = was.values
-        pool[heads] = cache
+        slots[self.slot] = cache
         return cache
 
 
-CAPTURED = CapturedPasses()
+_MODULE_CACHES = threading.local()  # .by_heads: heads -> {slot: its module cache in this thread}
 
 
 @dataclass(frozen=True)
@@ -264,10 +266,10 @@ class Runner:
     def __post_init__(self):
         object.__setattr__(self, "small_rows", as_plan(self.small_rows))
 
-    @property
-    def passes(self):
-        """How the drafters' passes run (``heads.drafting.Eager``, or ``CapturedPasses``)."""
-        return CAPTURED if self.capture else EAGER
+    def passes(self, row: int = 0):
+        """How the drafter of a generation's ``row`` runs its passes (``heads.drafting.Eager``, or
+        ``CapturedPasses`` over that row's module cache)."""
+        return CapturedPasses(row) if self.capture else EAGER
 
     def __call__(self, model, **inputs):
         """``model(**inputs)`` (a verify: its cache filled, its hidden states returned) with this machine's attention

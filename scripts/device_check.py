@@ -156,7 +156,7 @@ def twin_main(args: argparse.Namespace) -> int:
             for depth in [int(d) for d in args.depths]:
                 def oracle():
                     inner = heads.drafter(model)
-                    inner.passes = runner.passes
+                    inner.passes = runner.passes()
                     return OracleChain(inner, continuation, depth)
                 # warm-up (and the compiles, when captured)
                 speculative(model, [oracle()], prompt, 8, accept_greedy, greedy_root, set(), runner=runner,

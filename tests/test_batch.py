@@ -241,6 +241,29 @@ def test_bad_batches_are_refused_with_the_row_named(monkeypatch):
     assert calls == []  # refused before the prefill
 
 
+def test_a_captured_batch_drafts_each_row_as_that_row_drafts_alone(monkeypatch):
+    """Captured module passes run a batch's rows one by one at fixed shapes; each row drafts over its own slot's module
+    cache, so its trees are those it drafts alone (a shared cache would let one row's passes write over another's
+    entries: the output stays greedy's, the trees and tau do not)."""
+    monkeypatch.setattr(runner.torch, "compile", lambda fn, **kw: fn)  # (the captured path, uncompiled)
+    trees: list[list[list[int]]] = []
+    real = loop.verify
+    monkeypatch.setattr(loop, "verify", lambda model_, kv, drafts, *a: trees.append(
+        [d.tokens.tolist() for d in drafts]) or real(model_, kv, drafts, *a))
+    model = tiny_model("llama", seed=3)
+    model.generation_config.eos_token_id = None
+    gen = SpeculativeGenerator(model, random_eagle3(model, scale=0.3), draft="heads", cache="static", capture=True,
+                               tree="dynamic:nodes=8,topk=4,min_mass=0")
+    prompts = [p[0].tolist() for p, _ in random_prompts(3, model.config.vocab_size, seed=6)]
+    gen.generate(prompts, max_new_tokens=20)
+    together = [t for t in trees if len(t) == len(prompts)]  # the rounds before any row finished
+    assert len(together) >= 3
+    for i, prompt in enumerate(prompts):
+        trees.clear()
+        gen.generate(prompt, max_new_tokens=20)
+        assert [t[0] for t in trees[: len(together)]] == [t[i] for t in together], i
+
+
 def test_a_static_cache_is_counted_at_the_size_it_is_allocated(monkeypatch):
     """The memory check of a batch counts a static cache at the positions it is allocated with (a power of two, at
     least ``kv.MIN_STATIC``), not at what the rows need: 1 MiB free holds two rows of 12 positions on a growing cache,

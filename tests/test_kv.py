@@ -109,7 +109,7 @@ def _oracle_run(model, runner: Runner, n=3):
         reference = greedy_reference(model, prompt, 40)
         drafter = OracleMTP(model, reference, p_top=0.6, seed=i).drafter(
             model, DynamicTreeConfig(nodes=16, topk=3, depth=4, min_mass=0.2))
-        drafter.passes = runner.passes
+        drafter.passes = runner.passes()
         with torch.no_grad():
             tokens, stats = decode_one(model, drafter, prompt, 30, runner=runner, cache="static")
         same.append(tokens == reference[0, prompt.shape[1]:][:len(tokens)].tolist())
@@ -207,7 +207,7 @@ def test_a_captured_module_cache_is_kept_across_generations_and_grows_in_place_o
     a larger one holding the old one's entries, which later passes keep."""
     model = tiny_model("llama", seed=3)
     heads = random_eagle3(model, scale=0.05)
-    passes = capture_module.CAPTURED
+    passes = capture_module.CapturedPasses()
     first = passes._cache(heads, torch.device("cpu"), 10)
     assert passes._cache(heads, torch.device("cpu"), 100) is first
     keys = first.layers[0].keys
@@ -227,7 +227,7 @@ def test_a_captured_module_cache_is_kept_across_generations_and_grows_in_place_o
 
 class ReplayedOutputs:
     """A stand-in for ``torch.compile(mode="reduce-overhead")`` with what CUDA graph replays do to outputs: a call's
-    outputs live in the graphs' memory pool, and the next captured call (any of them: ``capture.captured`` marks a
+    outputs live in the graphs' memory pool, and the next captured call (any of them: ``runner.captured`` marks a
     new step each time) overwrites them (on a GPU, reading one then raises). Here they are filled with NaN, so a
     round that keeps one past the next call reads garbage where the GPU would stop."""
 
@@ -305,7 +305,8 @@ def test_a_static_cache_is_reused_while_it_fits():
     assert first.layers[0].max_cache_len == 1024 and open_kv(model, "static", 1, 1024).cache is first  # one shape
     assert open_kv(model, "static", 1, 500).cache is first  # another generator's generation too (one per thread)
     assert open_kv(other, "static", 1, 10).cache is not first  # another backbone's
-    assert open_kv(model, "static", 4, 10).cache.layers[0].keys.shape[0] == 4  # another batch size
+    assert open_kv(model, "static", 4, 10).cache.layers[0].keys.shape[0] == 4  # another batch size, beside it:
+    assert open_kv(model, "static", 1, 10).cache is first  # one prompt and batches taking turns keep their caches
     assert open_kv(model, "static", 1, 1025).cache.layers[0].max_cache_len == 2048
     length = lambda positions: open_kv(model, "static", 1, positions, captured=True).cache.layers[0].max_cache_len
     assert length(300) == length(4000) == 4096  # each length is a graph per bucket: fewer lengths
