@@ -190,9 +190,11 @@ class DraftHeads(nn.Module):
         return self.project(self.training_states(hidden, input_ids, embed), lm_head)
 
     def drafter(self, model, tree=None, draft_vocab: bool = True):
-        """A fresh drafter (``propose`` / ``observe``) for one generation on ``model``; ``tree``: this kind's tree
+        """A fresh drafter for one generation on ``model``, with the protocol's ``feature_layers``, ``describe``,
+        ``start``, ``propose`` (or ``propose_steps``), ``observe`` and ``share_forward`` (``inference.drafting``,
+        ``Drafter``), and ``passes``, how its module calls run (``drafting.Eager``); ``tree``: this kind's tree
         settings as ``tree_settings`` parsed them (None: the config's own); ``draft_vocab``: guess over the heads'
-        draft vocabulary. Its ``passes`` (``drafting.Eager``) say how its module calls run."""
+        draft vocabulary."""
         raise NotImplementedError
 
     def parsed_settings(self, settings, expected: type):
