@@ -64,8 +64,8 @@ Accept = Callable[[list[Draft], torch.Tensor], list[Accepted]]
 def layout(drafts: list[Draft], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                 torch.Tensor | None]:
     """The rows' trees as batch tensors, padded to the largest: tokens and depths [R, N], the tree mask [R, N, N]
-    (a node sees its ancestors and itself; a padding node only itself) and the real nodes [R, N] (None: no
-    padding)."""
+    (a node sees its ancestors and itself; padding nodes are left to the cache's padding rule, ``kv.KV.tree_inputs``)
+    and the real nodes [R, N] (None: no padding)."""
     counts = [d.num_nodes for d in drafts]
     if len(drafts) == 1:
         buffers = drafts[0].buffers.to(device)
@@ -73,7 +73,7 @@ def layout(drafts: list[Draft], device: torch.device) -> tuple[torch.Tensor, tor
     rows, n = len(drafts), max(counts)
     tokens = torch.zeros(rows, n, dtype=torch.long, device=device)
     depths = torch.zeros(rows, n, dtype=torch.long, device=device)
-    tree = torch.eye(n, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+    tree = torch.zeros(rows, n, n, dtype=torch.bool, device=device)
     real = torch.zeros(rows, n, dtype=torch.bool, device=device)
     for i, (draft, k) in enumerate(zip(drafts, counts)):
         buffers = draft.buffers.to(device)
