@@ -99,7 +99,7 @@ GPU = Plan(
     twin=(),
     # 8, 16 and 64 rows of the 12 prompts of --limit 2, one repeat
     batch=("--batch_sizes", "8,16,64", "--limit", "2", "--max_new_tokens", "128", "--repeats", "1"),
-    # tree="auto" calibrated on half its text (4 of 8 prompts, 64 tokens): ~4x sooner, more prompts timed
+    # tree="auto" calibrated on half its text (4 of 8 prompts, 64 tokens): sooner, more prompts timed
     compiled="compiled", auto="auto:prompts=4,tokens=64")
 
 # One dtype for every step, the identity step's: the costs and trees the bench measures serve it too (on a CPU with

@@ -11,8 +11,8 @@ Stages, in order (--stage runs up to that one; run again, each resumes where it 
   2. answers   make_data per part, in order, until --parts parts are done (each part resumes where it stopped; finished
                parts are never redone); a finished part's compact copy (uint16 token ids) goes to KEPT/part-NNN
                (committed to git; parts found there are not answered again). --jobs parts are answered at once, each
-               process on its share of the cores (on 2 cores, 2 one-thread processes answered 1.3-1.8x the tokens/s
-               of one two-thread process: batched generation's small matmuls scale poorly across threads)
+               process on its share of the cores (batched generation's small matmuls scale poorly across threads:
+               one-thread processes answered faster; docs/benchmarks.md)
      stash     (--stage stash, run beside or after a stopped answers stage) copies the finished shards of every
                unfinished part (and the answered batches of its unfinished shard) to KEPT/unfinished/part-NNN
                (committed): a later answers stage, on a fresh machine, starts from them instead of from nothing
@@ -66,9 +66,9 @@ class RecipeArgs:
         "help": "parts answered at once (default 2 on a CPU of <= 4 cores, else 1)"})
     nproc: int | None = field(default=None, metadata={"help": "training processes, 1, 2 or 4 (default --jobs)"})
     draft_vocab: int = field(default=16384, metadata={
-        "help": "the heads' draft vocabulary, also the loss's (8192 trains ~1.5x faster: RECIPE.md)"})
+        "help": "the heads' draft vocabulary, also the loss's (a smaller one trains faster: RECIPE.md)"})
     save_every: int = field(default=50, metadata={
-        "help": "steps between checkpoints (~10 min of fp32 training on a 2-core AVX2 CPU at 12.5 s a step)"})
+        "help": "steps between checkpoints (a checkpoint every few minutes of CPU training)"})
     dynamic_tree: str = field(default="dynamic:nodes=8,topk=8,min_mass=0.5", metadata={
         "help": "the serving tree written into the exported config (the shipped heads' node budget; tree='auto' "
                 "re-tunes per machine); '': --init_heads' tree, else the library default (32 nodes)"})
