@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone, resolve_heads
 from tokenmaxx.heads.io.backbones import DEVICE_HELP
 from tokenmaxx.inference import SpeculativeGenerator
-from tokenmaxx.inference.benchmark import load_prompts, machine_info
+from tokenmaxx.scripts.benchmark import load_prompts, machine_info
 from tokenmaxx.scripts.errors import flag_parser, run_script
 
 DATA_PREFIX = "data: "  # the categories of held-out training rows

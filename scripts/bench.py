@@ -31,7 +31,7 @@ from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference.runner import BACKENDS, CaptureFallbackWarning, capture_backend, set_capture_backend
 from tokenmaxx.heads.machine import clock
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
-from tokenmaxx.inference.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
+from tokenmaxx.scripts.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
                                            load_prompts, machine_info, markdown_table, plot, prompt_rows,
                                            report_header, run_batch_benchmark, run_benchmark, selection_note, summarize,
                                            tokenmaxx_method)

@@ -21,7 +21,7 @@ from tokenmaxx.heads.attention import shared_kv_kwargs, shares_kv_heads, use_sha
 from tokenmaxx.heads.machine import cpu_isa, device_name
 from tokenmaxx.heads import machine
 from tokenmaxx.inference import EmulatedBf16Warning, EmulatedDtypeWarning, SpeculativeGenerator, generator, verify
-from tokenmaxx.inference.benchmark import Prompt, hf_method, run_benchmark
+from tokenmaxx.scripts.benchmark import Prompt, hf_method, run_benchmark
 from tokenmaxx.inference.measure.store import calibration_key, machine_fingerprint
 from tokenmaxx.inference.kv import GrowingKV
 from tokenmaxx.inference.runner import Runner
