@@ -17,12 +17,9 @@ generating at once each get what they asked for. Whoever builds the backbone mov
 exactly what they did (the same attention function and the same masks, ``sdpa_mask``; tested with transformers' own
 prompt-lookup generation). On CUDA the keyword is never passed (there it would be slower).
 
-The same function serves the sequential heads' training-time unroll (``unrolled_attention``, keyword
-``tokenmaxx_unrolled=True``): every depth's queries see the depth-1 keys causally plus their own chain's keys at the
-deeper depths, one key per depth. That is computed as what it is (a causal [T, T] block and d-1 scores per query)
-instead of SDPA over all d*T keys through a dense mask, whose CPU backward was a large share of a training step
-(docs/benchmarks.md). Depths 2..D run at the trained anchors only (``SequentialHeads.training_states``); the keyword
-then carries each anchor's visible depth-1 prefix.
+The same function serves the sequential heads' training-time unroll (keyword ``tokenmaxx_unrolled``, computed by
+``unrolled_attention``) rather than SDPA over every depth's keys through a dense mask, whose CPU backward was a large
+share of a training step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -84,9 +81,8 @@ def sdpa_sharing_kv_heads(module, query: torch.Tensor, key: torch.Tensor, value:
                           **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention; with ``tokenmaxx_share_kv_heads=True`` and a mask, SDPA's ``enable_gqa`` instead
     of copied key/value heads; with ``tokenmaxx_unrolled`` (True, or the anchors' visible depth-1 prefixes [B, M, T]),
-    ``unrolled_attention`` (no mask). query
-    [B, Hq, n, d], key/value [B, Hkv, C+n, d], mask [B or 1, 1, n, C+n] additive.
-    Returns ([B, n, Hq, d], None) like transformers' attention functions."""
+    ``unrolled_attention`` (no mask). query [B, Hq, n, d], key/value [B, Hkv, C+n, d], mask [B or 1, 1, n, C+n]
+    additive. Returns ([B, n, Hq, d], None) like transformers' attention functions."""
     share = kwargs.pop(SHARE_KV_HEADS, False)
     unrolled = kwargs.pop(UNROLLED, False)
     if unrolled is not False:

@@ -153,18 +153,13 @@ def propose_rows(drafters: Sequence, roots: Sequence[int], rooms: Sequence[int])
     call for the rows of one heads module, e.g. one EAGLE-3 pass a tree level for the whole batch)."""
     steps = [proposal_steps(d, root, room) for d, root, room in zip(drafters, roots, rooms)]
     drafts: list[Draft | None] = [None] * len(steps)
-    waiting = {}
-    for i, row_steps in enumerate(steps):
-        try:
-            waiting[i] = next(row_steps)
-        except StopIteration as stop:
-            drafts[i] = stop.value
-    while waiting:
-        rows = list(waiting)
-        for i, out in zip(rows, run_passes([waiting[i] for i in rows])):
+    sends = dict.fromkeys(range(len(steps)))  # what each row still drafting is sent next (None starts a generator)
+    while sends:
+        waiting = {}
+        for i, value in sends.items():
             try:
-                waiting[i] = steps[i].send(out)
+                waiting[i] = steps[i].send(value)
             except StopIteration as stop:
                 drafts[i] = stop.value
-                del waiting[i]
+        sends = dict(zip(waiting, run_passes(list(waiting.values()))))
     return drafts

@@ -7,9 +7,8 @@ tokens, each given its ancestors). One level:
 2. each frontier node is expanded with its ``topk`` best children (one draft-module call for the whole frontier);
 3. the ``topk * topk`` children become the next level's candidates.
 
-Everything is a tensor on the draft's device (``grow_tree``): the frontier is always ``topk`` nodes wide, its nodes
-that cannot enter the kept set are computed but their children dropped, and the tree's buffers are built there
-(``tree.device_buffers``), so a round drafts without reading the draft back to the host.
+Everything, the tree's buffers included (``tree.device_buffers``), is a tensor on the draft's device; whether growth
+reads the frontier back to the host to stop early is ``tree_growth``'s ``stop_early``.
 
 After ``depth`` levels the tree keeps the ``nodes - 1`` best candidates overall (plus the root). A child's score is at
 most its parent's (log-probs are <= 0), and ties go to the shallower node, so the kept set always contains each kept
@@ -20,8 +19,8 @@ that is rarely reached gives back (docs/benchmarks.md).
 The tree's buffers have the same fields as static trees' and are verified, accepted and committed by the same code.
 
 ``tree_growth`` is the pure algorithm (a generator sent each frontier's child log-probs; ``grow_tree`` drives it with
-a function); the sequential kinds' drafter
-(``sequential.SequentialDrafter``, for EAGLE-3, the default kind, and MTP) runs it.
+a function); the sequential kinds' drafter (``sequential.SequentialDrafter``, for EAGLE-3, the default kind, and MTP)
+runs it.
 """
 
 from __future__ import annotations
@@ -128,8 +127,8 @@ def tree_growth(root: torch.Tensor | int, root_logprobs: torch.Tensor, topk: int
     run together: ``drafting.run_passes``); it returns the tree.
 
     root: the root token ([1] long tensor on that device, or an int). root_logprobs [V]: draft log-probs of the root's
-    children. ``token_ids`` [V]: the token
-    id of each log-prob column when they cover a draft vocabulary (default: column = token id).
+    children. ``token_ids`` [V]: the token id of each log-prob column when they cover a draft vocabulary (default:
+    column = token id).
 
     ``stop_early``: each level first asks whether any frontier node can still enter the kept set and whether the
     frontier holds ``min_mass`` of the draft's probability, and stops if not (one host read per level), and

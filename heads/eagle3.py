@@ -89,20 +89,9 @@ class Eagle3Heads(SequentialHeads):
         self.midlayer = Eagle3Layer(cfg)
         self.norm = LlamaRMSNorm(hidden, eps=cfg.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(cfg)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        std = float(getattr(self.layer_config, "initializer_range", 0.02))
-        hidden = self.config.hidden_size
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.normal_(0.0, std)
-            # Start from the highest feature layer's state (the nearest to the backbone's own next-token state) and
-            # an identity layer (zero residual branches): depth 1 begins near a guess the backbone could make.
-            self.fc.weight[:, -hidden:] += torch.eye(hidden)
-            self.midlayer.self_attn.o_proj.weight.zero_()
-            self.midlayer.mlp.down_proj.weight.zero_()
+        # Start from the highest feature layer's state (the nearest to the backbone's own next-token state) and an
+        # identity layer (zero residual branches): depth 1 begins near a guess the backbone could make.
+        self._init_weights(self.fc, slice(-hidden, None), [self.midlayer])
 
     @classmethod
     def for_backbone(cls, model, **config_kwargs) -> "Eagle3Heads":

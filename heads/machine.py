@@ -92,11 +92,8 @@ def cpu_has_native_fp16() -> bool:
 def cpu_dtype_is_emulated(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` runs emulated (through fp32 conversions) on this CPU: bf16 without native bf16, fp16 without
     native fp16."""
-    if dtype == torch.bfloat16:
-        return not cpu_has_native_bf16()
-    if dtype == torch.float16:
-        return not cpu_has_native_fp16()
-    return False
+    native = {torch.bfloat16: cpu_has_native_bf16, torch.float16: cpu_has_native_fp16}.get(dtype)
+    return native is not None and not native()
 
 
 def device_name(device: torch.device) -> str:

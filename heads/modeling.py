@@ -146,11 +146,9 @@ class DraftHeads(nn.Module):
         adapter = getattr(model.config, "tokenmaxx_adapter", None)
         adapter_revision = getattr(model.config, "tokenmaxx_adapter_revision", None)
         if strict_identity and (cfg.adapter is not None or adapter is not None):
-            if cfg.adapter_revision and adapter_revision:  # content hashes / commits: paths may differ per machine
-                same = cfg.adapter_revision == adapter_revision
-            else:
-                same = cfg.adapter == adapter
-            if not same:
+            # revisions (content hashes / commits) when both have one: paths may differ per machine
+            if (cfg.adapter_revision != adapter_revision if cfg.adapter_revision and adapter_revision
+                    else cfg.adapter != adapter):
                 raise BackboneMismatchError(
                     f"heads were made for the backbone with adapter {cfg.adapter!r} (revision {cfg.adapter_revision}) "
                     f"merged in, but this backbone has adapter {adapter!r} (revision {adapter_revision}); "

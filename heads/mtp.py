@@ -85,24 +85,8 @@ class MTPHeads(SequentialHeads):
         self.layers = nn.ModuleList(layer_cls(cfg, layer_idx=i) for i in range(config.num_layers))
         self.norm = nn.RMSNorm(hidden, eps=eps)
         self.rotary = rotary_cls(cfg)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        std = float(getattr(self.layer_config, "initializer_range", 0.02))
-        with torch.no_grad():
-            eye = torch.eye(self.config.hidden_size)
-            # Start as "the previous state plus a little of the token": depth 1 begins near the backbone's own guess.
-            self.fuse.weight.normal_(0.0, std)
-            self.fuse.weight[:, : self.config.hidden_size] += eye
-            for layer in self.layers:
-                for module in layer.modules():
-                    if isinstance(module, nn.Linear):
-                        module.weight.normal_(0.0, std)
-                        if module.bias is not None:
-                            module.bias.zero_()
-                # The residual branches start at zero: an untrained layer is the identity.
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
+        # Start as "the previous state plus a little of the token": depth 1 begins near the backbone's own guess.
+        self._init_weights(self.fuse, slice(None, hidden), self.layers)
 
     @classmethod
     def for_backbone(cls, model, **config_kwargs) -> "MTPHeads":

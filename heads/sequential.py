@@ -63,6 +63,22 @@ class SequentialHeads(DraftHeads):
         """Output states [..., H] -> logits [..., V] through the final norm and the backbone's lm_head."""
         return lm_head(self.norm(states))
 
+    def _init_weights(self, fusion: nn.Linear, identity: slice, layers) -> None:
+        """Fresh weights: every linear weight ~ N(0, the layer config's initializer_range) and biases zero; then the
+        ``fusion`` projection passes its ``identity`` input columns through, and the ``layers``' residual branches
+        start at zero (an untrained layer is the identity)."""
+        std = float(getattr(self.layer_config, "initializer_range", 0.02))
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, std)
+                    if module.bias is not None:
+                        module.bias.zero_()
+            fusion.weight[:, identity] += torch.eye(self.config.hidden_size)
+            for layer in layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+
     # ---- training: the unroll over all D depths ------------------------------------------------------------------
     def unrolled_states(self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module,
                         depths: int | None = None) -> torch.Tensor:
@@ -157,17 +173,15 @@ class SequentialHeads(DraftHeads):
                                  "draft path)."}
 
 
-
 class SequentialDrafter:
-    """Drafts dynamic trees (``dynamic_tree.expand_tree``) with sequential heads; its module cache holds the depth-1
+    """Drafts dynamic trees (``dynamic_tree.tree_growth``) with sequential heads; its module cache holds the depth-1
     entries of accepted anchors (its own, when its passes run as they are; the passes' own when they are captured).
 
     Use: ``start`` after the backbone's prefill, then per round ``propose`` -> (verify, accept, commit) -> ``observe``
-    (which adds the accepted positions to the module cache through ``advance``).
+    (whose accepted positions the module cache gains at the next proposal, ``_catch_up_steps``).
     """
 
-    def __init__(self, heads: SequentialHeads, model, config: DynamicTreeConfig, draft_vocab: bool = True,
-                 stop_early: bool | None = None):
+    def __init__(self, heads: SequentialHeads, model, config: DynamicTreeConfig, draft_vocab: bool = True):
         self.heads, self.config = heads, config
         self.feature_layers = heads.feature_layers  # what the loop hands to start / observe as backbone states
         self.embed = model.get_input_embeddings()
@@ -184,8 +198,8 @@ class SequentialDrafter:
         self.last_state: torch.Tensor | None = None  # [H] module output at the newest anchor (its depth-1 query)
         self.root_token: torch.Tensor | None = None  # [1] long: the next root on the device (from ``observe``)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # observed (hidden [n, F], tokens [n]) not read yet
-        # whether tree growth reads the frontier back to stop early (``grow_tree``); None: where reads cost nothing
-        self.stop_early = reads_are_free(self.device) if stop_early is None else stop_early
+        # whether tree growth reads the frontier back to stop early (``tree_growth``): where reads cost nothing
+        self.stop_early = reads_are_free(self.device)
 
     @property
     def nodes(self) -> int:
@@ -228,7 +242,7 @@ class SequentialDrafter:
         self.next_position = first
         self.root_token = torch.tensor([prefill.root], dtype=torch.long, device=self.device)
         self._pending = []
-        self.advance(hidden[first:], torch.cat([input_ids[first + 1:], self.root_token]))
+        run_alone(self._advance_steps(hidden[first:], torch.cat([input_ids[first + 1:], self.root_token])))
 
     def observe(self, outcome: Outcome) -> None:
         """The round's last token is the next root; the module reads the accepted positions when it next proposes
@@ -243,12 +257,9 @@ class SequentialDrafter:
             self._pending.clear()
             yield from self._advance_steps(hidden, tokens)
 
-    def advance(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Add anchors: hidden [n, F] backbone features at the next n positions, next_tokens [n] the token after
-        each."""
-        run_alone(self._advance_steps(hidden, next_tokens))
-
     def _advance_steps(self, hidden: torch.Tensor, next_tokens: torch.Tensor):
+        """Add anchors: hidden [n, F] backbone features at the next n positions, next_tokens [n] the token after
+        each (one ``ModulePass``)."""
         n, cached = hidden.shape[0], self.cached
         visible = torch.ones(n, cached + n, dtype=torch.bool, device=self.device)  # [n, C+n]
         visible[:, cached:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -120,9 +121,10 @@ class Tree:
     def from_json(cls, text: str) -> "Tree":
         return cls(json.loads(text))
 
+    @lru_cache(maxsize=64)
     def truncate(self, max_depth: int) -> "Tree":
         """The same tree without nodes deeper than ``max_depth``."""
-        return _truncated(self, max_depth)
+        return Tree(p for p in self.paths if len(p) <= max_depth) if max_depth < self.depth else self
 
     # ---- compilation ------------------------------------------------------------------------------------------
     @cached_property
@@ -183,11 +185,6 @@ def device_buffers(parents: torch.Tensor, depth: int) -> TreeBuffers:
         up = parents[up]
     return TreeBuffers(depths=depths, parents=parents, attn_mask=attn_mask, retrieve=retrieve, topk=1,
                        token_index=nodes)
-
-
-@lru_cache(maxsize=64)
-def _truncated(tree: Tree, max_depth: int) -> Tree:
-    return Tree(p for p in tree.paths if len(p) <= max_depth) if max_depth < tree.depth else tree
 
 
 def chain(k: int) -> Tree:
@@ -260,8 +257,6 @@ def parse_tree(spec: str | Tree | Sequence[Sequence[int]] | None, num_heads: int
                 raise ValueError(f"bad tree spec {spec!r}: expected chain:<int>") from None
         if spec.lstrip().startswith("["):
             return Tree.from_json(spec)
-        from pathlib import Path
-
         if Path(spec).is_file():
             return Tree.from_json(Path(spec).read_text())
         raise ValueError(f"unknown tree spec {spec!r}: expected 'default', 'chain:K', a JSON list of paths, "

@@ -20,7 +20,7 @@ from tokenmaxx.inference.measure.autotune import CALIBRATION_PROMPTS, Calibratio
 from tokenmaxx.inference.measure.latency import fit_latency, measure_latency
 from tokenmaxx.inference.measure.small_rows import cached_small_rows, choose_small_rows
 from tokenmaxx.inference.measure.store import calibration_key, machine_fingerprint
-from tokenmaxx.inference.measure.tree_search import choose_tree, ordered_paths_from_accuracy, ordered_paths_from_ranks
+from tokenmaxx.inference.measure.tree_search import choose_tree, ordered_paths_from_ranks
 
 
 def test_optimizer_picks_known_optimum():
@@ -43,12 +43,6 @@ def test_ordered_paths_from_ranks_are_joint_frequencies():
     ordered = dict(ordered_paths_from_ranks(ranks, max_rank=9))
     assert ordered == {(0,): 0.5, (0, 0): 0.25, (0, 1): 0.25, (0, 1, 0): 0.25, (1,): 0.25, (1, 0): 0.25,
                        (1, 0, 0): 0.25}
-
-
-def test_ordered_paths_from_accuracy_products():
-    ordered = ordered_paths_from_accuracy([[0.5, 0.2], [0.6, 0.1]], max_nodes=4)
-    assert [p for p, _ in ordered] == [(0,), (0, 0), (1,)]
-    assert [round(v, 3) for _, v in ordered] == [0.5, 0.3, 0.2]
 
 
 def test_interpolation():

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from ..config import backbone_identity  # noqa: F401  (re-exported beside the loader that records the identity)
 from ..attention import use_shared_kv_attention
 from ..machine import cpu_dtype_is_emulated, cpu_has_native_bf16, cpu_isa, cpu_name
 

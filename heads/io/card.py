@@ -256,15 +256,11 @@ def _started_from(extra: dict) -> str | None:
 
 
 def _accuracy_rows(metrics: dict) -> list[dict]:
-    def column(name: str) -> list:
-        values = metrics.get(name)
-        return values if isinstance(values, list) else []
-
     def fmt(values: list, k: int) -> str:
         ok = k < len(values) and isinstance(values[k], (int, float)) and not isinstance(values[k], bool)
         return f"{values[k]:.3f}" if ok else NOT_RECORDED
 
-    top1, top5 = column("head_top1"), column("head_top5")
+    top1, top5 = _get(metrics, "head_top1", list) or [], _get(metrics, "head_top5", list) or []
     return [{"head": k + 1, "top1": fmt(top1, k), "top5": fmt(top5, k)} for k in range(max(len(top1), len(top5)))]
 
 

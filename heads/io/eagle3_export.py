@@ -34,11 +34,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..config import CONFIG_NAME, WEIGHTS_NAME
 from ..eagle3 import Eagle3Heads, default_feature_layers
 from ..modeling import _umask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "hidden_act", "rms_norm_eps", "max_position_embeddings", "initializer_range")
 

@@ -77,10 +77,8 @@ def _hub_errors(endpoint: str, repo_id: str, token_source: str | None, stage: li
         status = err.response.status_code if err.response is not None else None
         if status not in (401, 403):
             raise
-        if token_source is None:
-            hint = "no token was found: pass token=, set HF_TOKEN, or log in with `hf auth login`"
-        else:
-            hint = f"the token from {token_source} was not accepted, or may not write to this namespace"
+        hint = "no token was found: pass token=, set HF_TOKEN, or log in with `hf auth login`" if token_source is None \
+            else f"the token from {token_source} was not accepted, or may not write to this namespace"
         raise HubAuthError(f"the Hub at {endpoint} refused to {stage[-1]} {repo_id!r} (HTTP {status}): {hint}; "
                            "no commit was made") from None
 
@@ -173,12 +171,10 @@ def load_heads(path_or_repo: str | os.PathLike, revision: str | None = None, dty
                **hub_kwargs) -> DraftHeads:
     """Load heads saved by ``save_pretrained`` (a local folder, or a Hub repo id), strictly.
 
-    A spec that names no folder goes to the Hub only when it has the form "org/name"; one that can only be a path
-    (starting with ``./``, ``../``, ``/`` or ``~``, ending with ``/``, or with more than one ``/``) or has
-    another form gets a FileNotFoundError naming the folder, resolved. A Hub miss says what was tried on both
-    sides. For a Hub repo id, ``hub_kwargs`` go to ``huggingface_hub.snapshot_download`` (endpoint, cache_dir,
-    token, local_files_only). Whether the heads fit a backbone is checked when they are attached to one
-    (``check_backbone``).
+    A spec that names no folder goes to the Hub (``download_heads``; ``hub_kwargs`` go there) only when it has the
+    form "org/name" and is not one that can only be a path (``loading.looks_like_path``); any other gets a
+    FileNotFoundError naming the folder, resolved. A Hub miss says what was tried on both sides. Whether the heads fit
+    a backbone is checked when they are attached to one (``check_backbone``).
     """
     folder = Path(path_or_repo).expanduser()
     if folder.is_dir():

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..eagle3 import Eagle3Heads
-from .eagle3_export import check_export, draft_tensors, rope_fields, write_checkpoint
+from .eagle3_export import LAYER_KEYS, check_export, draft_tensors, rope_fields, write_checkpoint
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout this writes (tests/test_interop.py checks it)
 ARCHITECTURE = "Eagle3DraftModel"  # speculators' model class for the layout
@@ -40,13 +40,8 @@ def speculators_config(heads: Eagle3Heads, model, verifier: str, dtype: str) -> 
     vocab = heads.draft_vocab
     architectures = list(getattr(model.config, "architectures", None) or [type(model).__name__])
     transformer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": hc.vocab_size,
-                   "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
-                   "num_hidden_layers": 1, "num_attention_heads": layer.num_attention_heads,
-                   "num_key_value_heads": layer.num_key_value_heads, "head_dim": layer.head_dim,
-                   "hidden_act": layer.hidden_act, "rms_norm_eps": layer.rms_norm_eps,
-                   "max_position_embeddings": layer.max_position_embeddings,
-                   "initializer_range": layer.initializer_range, "attention_bias": False, "mlp_bias": False,
-                   "tie_word_embeddings": False, "use_cache": True, "dtype": dtype,
+                   "num_hidden_layers": 1, **{k: getattr(layer, k) for k in LAYER_KEYS}, "attention_bias": False,
+                   "mlp_bias": False, "tie_word_embeddings": False, "use_cache": True, "dtype": dtype,
                    **{k: v for k, v in rope_fields(layer).items() if v is not None}}
     return {
         "architectures": [ARCHITECTURE],

@@ -18,7 +18,6 @@ noisier).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import statistics
@@ -141,34 +140,20 @@ def calibrate_ranks(model, heads, tokenizer, prompts: Sequence[str] | None = Non
     rows = []
     for ids, seq, hidden in continuations(model, tokenizer, prompts or CALIBRATION_PROMPTS, max_new_tokens):
         start = ids.shape[1] - 1  # first position whose next token is generated
-        logits = heads.draft_logits(hidden[start:], lm_head)  # [K, T', V]
-        top = logits.topk(max_rank, dim=-1).indices  # [K, T', R]
-        num_heads, length = top.shape[0], top.shape[1]
-        for t in range(length):
-            pos = start + t
-            row = []
-            for k in range(1, num_heads + 1):
-                target = pos + k + 1  # head k at position t targets t+k+1
-                if target >= seq.numel():
-                    row.append(max_rank)
-                    continue
-                hit = (top[k - 1, t] == seq[target]).nonzero()
-                row.append(int(hit[0, 0]) if hit.numel() else max_rank)
-            rows.append(row)
-    return torch.tensor(rows, dtype=torch.long, device="cpu")  # Python-side: the tree search reads it
-
-
-def measure_overhead(model, heads, tokenizer, tree: Tree, max_new_tokens: int = LOOP_TIMING_TOKENS) -> float:
-    """Seconds per speculative step spent outside the verify forward (propose, accept, commit, loop)."""
-    return measure_overheads(model, heads, tokenizer, {0: tree}, max_new_tokens=max_new_tokens)[0]
+        top = heads.draft_logits(hidden[start:], lm_head).topk(max_rank, dim=-1).indices  # [K, T', R]
+        k, t = (torch.arange(n, device=top.device) for n in top.shape[:2])
+        targets = start + t + k[:, None] + 2  # [K, T']: head k+1 at position start+t targets start+t+k+2
+        hits = (top == seq[targets.clamp(max=seq.numel() - 1)][..., None]) & (targets < seq.numel())[..., None]
+        rows.append(torch.where(hits.any(-1), hits.int().argmax(-1), max_rank).T)  # [T', K]
+    return torch.cat(rows).cpu()  # Python-side: the tree search reads it
 
 
 def measure_overheads(model, heads, tokenizer, trees: dict, repeats: int = 3,
                       max_new_tokens: int = LOOP_TIMING_TOKENS) -> dict:
-    """``measure_overhead`` of several tree settings (any key -> settings of the heads' kind): short generations
-    drafted by the heads alone run interleaved, ``repeats`` rounds over all settings, the median per setting kept, so
-    a shared machine's load drifting during calibration weighs on every setting alike instead of on whichever was
-    measured then."""
+    """Seconds per speculative step spent outside the verify forward (propose, accept, commit, loop) of several tree
+    settings (any key -> settings of the heads' kind): short generations drafted by the heads alone run interleaved,
+    ``repeats`` rounds over all settings, the median per setting kept, so a shared machine's load drifting during
+    calibration weighs on every setting alike instead of on whichever was measured then."""
     ids = _chat_ids(tokenizer, CALIBRATION_PROMPTS[0], model.get_output_embeddings().weight.device)
     eos = eos_ids(model.generation_config)
     runner = Runner(attention=shared_kv_kwargs(model))
@@ -208,7 +193,7 @@ def auto_tree(model, heads, tokenizer, max_nodes: int = 64, cache_root: Path | N
     start = time.perf_counter()
     ranks = calibrate_ranks(model, heads, tokenizer, calibration.texts, calibration.tokens)
     latency = verify_latency(model, small_rows, cache_root, refresh)
-    overhead = measure_overhead(model, heads, tokenizer, Tree([(0,)]), calibration.loop_tokens)
+    overhead = measure_overheads(model, heads, tokenizer, {1: Tree([(0,)])}, max_new_tokens=calibration.loop_tokens)[1]
     tree, table = choose_tree(ordered_paths_from_ranks(ranks), latency, overhead, max_nodes=max_nodes,
                               max_depth=heads.config.num_heads)
     write_record(path, {"tree": [list(p) for p in tree.paths], "machine": machine, "latency": latency,
@@ -232,7 +217,7 @@ def calibrate_dynamic(model, heads, tokenizer, config, budgets: Sequence[int] = 
     """Expected tau of each node budget, and seconds per draft, along the backbone's own greedy continuations.
 
     At every position of a continuation the drafter grows one tree with the largest budget; the tree of budget n is
-    its n-1 best nodes by score (what ``expand_tree`` keeps), and its accepted length is that of the deepest node in
+    its n-1 best nodes by score (what ``tree_growth`` keeps), and its accepted length is that of the deepest node in
     them whose path equals the continuation. Returns ({budget: mean tau}, mean propose seconds).
     """
     drafter = heads.drafter(model, tree=dataclasses.replace(config, nodes=max(budgets)))
@@ -349,22 +334,6 @@ def _say(message: str) -> None:
 
 
 # ---- tree="auto": the calibration that fits the heads' kind ---------------------------------------------------------
-@functools.singledispatch
-def _calibrate(settings, model, heads, tokenizer, small_rows, calibration):
-    raise ValueError(f"tree='auto' cannot calibrate tree settings of type {type(settings).__name__} "
-                     f"(heads of kind {heads.config.kind!r})")
-
-
-@_calibrate.register
-def _(settings: Tree, model, heads, tokenizer, small_rows, calibration) -> Tree:
-    return auto_tree(model, heads, tokenizer, small_rows=small_rows, calibration=calibration)
-
-
-@_calibrate.register
-def _(settings: DynamicTreeConfig, model, heads, tokenizer, small_rows, calibration) -> DynamicTreeConfig:
-    return auto_dynamic(model, heads, tokenizer, settings, small_rows=small_rows, calibration=calibration)
-
-
 def resolve_auto(model, heads, tokenizer, small_rows: Plan = 0, calibration: Calibration = Calibration(),
                  settings=None):
     """The heads' tree settings chosen for this machine (calibrated once, then read from the cache); ``small_rows``:
@@ -373,7 +342,12 @@ def resolve_auto(model, heads, tokenizer, small_rows: Plan = 0, calibration: Cal
     if tokenizer is None:
         raise ValueError("tree='auto' calibrates on chat prompts: it needs the tokenizer")
     own = settings if settings is not None else heads.tree_settings(heads.config)
-    return _calibrate(own, model, heads, tokenizer, small_rows, calibration)
+    if isinstance(own, Tree):
+        return auto_tree(model, heads, tokenizer, small_rows=small_rows, calibration=calibration)
+    if isinstance(own, DynamicTreeConfig):
+        return auto_dynamic(model, heads, tokenizer, own, small_rows=small_rows, calibration=calibration)
+    raise ValueError(f"tree='auto' cannot calibrate tree settings of type {type(own).__name__} "
+                     f"(heads of kind {heads.config.kind!r})")
 
 
 def _machine(model, small_rows: Plan, calibration: Calibration) -> dict:

@@ -40,10 +40,9 @@ def measure_latency(model, sizes: Sequence[int] = LATENCY_SIZES, prefix_len: int
                     statistic: str = "min", small_rows: Plan = 0) -> dict[int, float]:
     """Seconds of one backbone forward of n new tokens over a cache of ``prefix_len``: per size, the ``statistic``
     ("min" or "median") over ``repeats`` rounds that each go through every size (a slow spell of a shared machine then
-    hits all sizes alike). Raw and still noisy: ``fit_latency`` turns it into the table the search uses. Token ids
-    are drawn on the CPU (the same on every device) and moved to the backbone's device before the clock starts;
-    the clock waits for the device (``heads.machine.clock``). ``small_rows``: the plan of the verifies (``small_rows``): each
-    forward computes the linear layers as a verify of its size does."""
+    hits all sizes alike), timed by ``VerifyTimer``. Raw and still noisy: ``fit_latency`` turns it into the table the
+    search uses. ``small_rows``: the plan of the verifies (``small_rows``): each forward computes the linear layers as
+    a verify of its size does."""
     if statistic not in ("min", "median"):
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
     timer = VerifyTimer(model, prefix_len, max(sizes))
@@ -156,22 +155,31 @@ def drafts_along(drafter, seq: torch.Tensor, hidden: torch.Tensor, start: int):
                                 hidden=hidden[t: t + 1], emitted=nxt, path=[0], token_ids=seq[t + 1: t + 2]))
 
 
-@torch.inference_mode()
-def measure_propose(model, drafter, prompt_len: int = 128, positions: int = 24) -> float:
-    """Median seconds of one ``drafter.propose`` at ``positions`` positions of the backbone's own greedy continuation
-    of a random prompt (its own text gives drafts as deep and as confident as in generation; random tokens alone would
-    give shallow, cheap ones), each with room for ``positions`` more tokens (``drafts_along``)."""
+def own_continuation(model, feature_layers, prompt_len: int, new_tokens: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The backbone's own greedy continuation, ``new_tokens`` long, of a seeded random prompt (the same every call):
+    its own text gives drafts as deep and as confident as in generation; random tokens alone would give shallow, cheap
+    ones. Returns (P: ``prompt_len``, cut where the prompt and its continuation would not fit in the context; seq
+    [P + new_tokens]; the states drafters read along it [P + new_tokens, F], ``backbone_features`` of
+    ``feature_layers``)."""
     weight = model.get_output_embeddings().weight
     vocab, device = weight.shape[0], weight.device
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None:  # the prompt and its continuation stay inside the context
-        prompt_len = max(1, min(prompt_len, context - 2 * positions - 1))
+        prompt_len = max(1, min(prompt_len, context - new_tokens - 1))
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(vocab, (1, prompt_len), generator=gen, device="cpu").to(device)  # [1, P]
-    seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2 * positions,
-                         min_new_tokens=2 * positions, do_sample=False)  # [1, P + 2 * positions]
-    hidden = backbone_features(model(seq, output_hidden_states=True).hidden_states, drafter.feature_layers)[0]
-    times = [seconds for t, _, seconds in drafts_along(drafter, seq[0], hidden, prompt_len)
+    seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False)  # [1, P + new_tokens]
+    hidden = backbone_features(model(seq, output_hidden_states=True).hidden_states, feature_layers)[0]
+    return prompt_len, seq[0], hidden
+
+
+@torch.inference_mode()
+def measure_propose(model, drafter, prompt_len: int = 128, positions: int = 24) -> float:
+    """Median seconds of one ``drafter.propose`` at ``positions`` positions of the backbone's own greedy continuation
+    of a random prompt (``own_continuation``), each with room for ``positions`` more tokens (``drafts_along``)."""
+    prompt_len, seq, hidden = own_continuation(model, drafter.feature_layers, prompt_len, 2 * positions)
+    times = [seconds for t, _, seconds in drafts_along(drafter, seq, hidden, prompt_len)
              if t < prompt_len + positions]
     return statistics.median(times)
 
@@ -184,19 +192,9 @@ def measure_propose_rows(model, make_drafter, rows: int, prompt_len: int = 128, 
     """Median seconds of ``rows`` drafters' proposals run together (``drafting.propose_rows``: their module passes
     batched) along the backbone's own continuation of a random prompt, as ``measure_propose`` times one; each row
     starts ``rows`` positions further into it, so the rows' trees differ as a batch's do."""
-    weight = model.get_output_embeddings().weight
-    vocab, device = weight.shape[0], weight.device
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context is not None:
-        prompt_len = max(1, min(prompt_len, context - 2 * positions - rows - 1))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    prompt = torch.randint(vocab, (1, prompt_len), generator=gen, device="cpu").to(device)
-    total = 2 * positions + rows
-    seq = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=total, min_new_tokens=total,
-                         do_sample=False)[0]  # [P + total]
-    drafters = [make_drafter() for _ in range(rows)]
-    hidden = backbone_features(model(seq[None], output_hidden_states=True).hidden_states,
-                               drafters[0].feature_layers)[0]
+    device = model.get_output_embeddings().weight.device
+    drafters = [make_drafter() for _ in range(rows)]  # (making a drafter draws nothing random)
+    prompt_len, seq, hidden = own_continuation(model, drafters[0].feature_layers, prompt_len, 2 * positions + rows)
     starts = [prompt_len + r for r in range(rows)]
     for drafter, start in zip(drafters, starts):
         drafter.start(Prefill(input_ids=seq[:start], hidden=hidden[:start], root=int(seq[start])))
@@ -235,8 +233,9 @@ def propose_path(model, heads, tree=None, draft_vocab: bool = True, cache_root: 
 def cached_propose_cost(model, heads, tree=None, draft_vocab: bool = True, cache_root: Path | None = None,
                         refresh: bool = False) -> float:
     """Seconds the heads' drafter (``heads.drafter(model, tree, draft_vocab)``) takes to propose one tree on this
-    machine (``measure_propose``), measured once per heads, tree settings and machine and cached. A cached number, not a clock read during generation: a seeded generation sized by it picks the same trees,
-    hence the same samples, every time."""
+    machine (``measure_propose``), measured once per heads, tree settings and machine and cached. A cached number,
+    not a clock read during generation: a seeded generation sized by it picks the same trees, hence the same samples,
+    every time."""
     machine = machine_fingerprint(model)
     path = propose_path(model, heads, tree, draft_vocab, cache_root)
     if path.is_file() and not refresh:

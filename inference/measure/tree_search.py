@@ -14,12 +14,12 @@ This module is the search alone (pure functions of ranks and latencies); ``autot
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from typing import Sequence
 
 import torch
 
-from tokenmaxx.heads.tree import Tree, path_probability, sparse_tree
+from tokenmaxx.heads.tree import Tree
 
 from ..costs import interpolate
 
@@ -41,14 +41,6 @@ def ordered_paths_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[tu
     return sorted(((p, c / total) for p, c in counts.items()), key=lambda pv: (-pv[1], len(pv[0]), pv[0]))
 
 
-def ordered_paths_from_accuracy(rank_accuracy: Sequence[Sequence[float]],
-                                max_nodes: int) -> list[tuple[tuple[int, ...], float]]:
-    """Paths by the product of per-head rank accuracies (Medusa's model), most probable first."""
-    tree = sparse_tree(rank_accuracy, max_nodes)
-    values = {path: path_probability(rank_accuracy, path) for path in tree.paths}
-    return sorted(values.items(), key=lambda pv: (-pv[1], len(pv[0]), pv[0]))
-
-
 def choose_tree(ordered: list[tuple[tuple[int, ...], float]], latency: dict[int, float], overhead: float,
                 max_nodes: int = 64, max_depth: int | None = None) -> tuple[Tree, list[dict]]:
     """Best tree over sizes N = 1..max_nodes: maximise (1 + sum of node probabilities) / (latency(N) + overhead).
@@ -56,10 +48,8 @@ def choose_tree(ordered: list[tuple[tuple[int, ...], float]], latency: dict[int,
     ``ordered``: (path, probability) most probable first. Returns the tree and the table of every size considered.
     """
     paths = [(p, v) for p, v in ordered if max_depth is None or len(p) <= max_depth][: max_nodes - 1]
-    table, expected = [], 1.0
-    for n in range(1, len(paths) + 2):
-        if n > 1:
-            expected += paths[n - 2][1]
+    table = []
+    for n, expected in enumerate(itertools.accumulate((v for _, v in paths), initial=1.0), start=1):
         seconds = interpolate(latency, n) + overhead
         table.append({"nodes": n, "expected_tau": expected, "step_seconds": seconds,
                       "tokens_per_s": expected / seconds})
