@@ -4,7 +4,7 @@ nodes worth their verify time on this machine.
 Each node is valued by its estimated chance of being accepted: heads nodes by the heads' own values (calibrated
 against what this generation accepts, ``HeadsCalibration``), lookup nodes by the measured acceptance of branches with
 the same matched n-gram length and rank (``LookupReliability``). The most valuable nodes are kept, up to the budget
-that maximises expected tokens per second on the verify latency it is handed (``share_budget``). Heads that stop
+that maximises expected tokens per second on the verify latency it is handed (``share_lists``). Heads that stop
 paying for their proposing time and their nodes' verify time sit rounds out (``HeadsGate``, settings in
 ``GateConfig``). ``BudgetDrafter`` owns all of that state; with lookup it is the "hybrid" drafting mode, without it the
 "heads" mode on a measured latency.
@@ -90,7 +90,7 @@ class LookupReliability:
 class HeadsCalibration:
     """How the heads' acceptance estimates compare with what this generation accepts: a decayed ratio of accepted heads
     tokens to the tokens the kept heads nodes' values promised (their sum is the expected count when the values are
-    path probabilities). ``share_budget`` multiplies heads values by it, so on text the heads guess badly (a
+    path probabilities). ``share_lists`` multiplies heads values by it, so on text the heads guess badly (a
     translation the lookup branch copies) their nodes stop taking budget and verify time, and on text they guess well
     they win more. Starts at 1 (the values as given)."""
 
@@ -179,12 +179,9 @@ class HeadsGate:
     def record_round(self, other_tokens: int, seconds: float) -> None:
         """After every round: the tokens it yielded that the heads alone did not draft, and its verify seconds without
         the heads-only nodes."""
-        decay = self.settings.decay
-        if self.seconds == 0:  # the first round sets the means
-            self.other_tokens, self.seconds = float(other_tokens), seconds
-        else:
-            self.other_tokens = decay * self.other_tokens + (1 - decay) * other_tokens
-            self.seconds = decay * self.seconds + (1 - decay) * seconds
+        decay = self.settings.decay if self.seconds else 0.0  # the first round sets the means
+        self.other_tokens = decay * self.other_tokens + (1 - decay) * other_tokens
+        self.seconds = decay * self.seconds + (1 - decay) * seconds
 
 
 class SharedTree(NamedTuple):
@@ -198,28 +195,6 @@ class SharedTree(NamedTuple):
     heads_total: float  # the sum of ``heads_values`` over the candidates (the heads' expected accepted tokens)
 
 
-def share_budget(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor, branches: list[list[int]],
-                 p_lookup: Sequence[float | Sequence[float]], budget: int, latency: dict[int, float] | None = None,
-                 heads_scale: float = 1.0, overhead: float = 0.0) -> SharedTree:
-    """Merge lookup branches into a heads tree, then keep the ``budget`` nodes (root included) most likely accepted.
-
-    values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
-    ``heads_scale`` (a ``HeadsCalibration``). A node at depth j of lookup branch b is worth p_lookup[b][j-1] (a
-    ``LookupReliability.values`` list), or p_lookup[b]**j for a number (the best over the branches through it); a
-    node also proposed by the heads is worth the larger. Values never grow along a path, so the kept set (best first,
-    shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify forward per node
-    count, measured on this machine) the budget itself is chosen per step: the n <= budget that maximises
-    (1 + sum of the n-1 best values) / (latency(n) + overhead), i.e. expected tokens per second of a round that also
-    spends ``overhead`` seconds drafting (the heads' proposing time when they ran: a dearer round makes extra nodes
-    relatively cheaper).
-
-    The heads' tree is read to the host once (a few dozen numbers), merged and cut there, and the kept tree copied
-    back once (``tree.host_tree``): the tensors returned are on the device of ``tokens``.
-    """
-    return share_lists(tokens.device, *read_tree(tokens, buffers, values), branches, p_lookup, budget, latency,
-                       heads_scale, overhead)
-
-
 def read_tree(tokens: torch.Tensor, buffers: TreeBuffers, values: torch.Tensor
               ) -> tuple[list[int], list[int], list[float]]:
     """A drafted tree's tokens, parents and values as lists, in one read."""
@@ -231,7 +206,22 @@ def share_lists(device: torch.device, tokens: list[int], parents: list[int], val
                 branches: list[list[int]], p_lookup: Sequence[float | Sequence[float]], budget: int,
                 latency: dict[int, float] | None = None, heads_scale: float = 1.0,
                 overhead: float = 0.0) -> SharedTree:
-    """``share_budget`` on a heads tree the host holds as lists (node 0 the root); the kept tree goes to ``device``."""
+    """Merge lookup branches into a heads tree (the host's lists: ``tokens``, ``parents``, ``values``; node 0 the
+    root), then keep the ``budget`` nodes (root included) most likely accepted.
+
+    values [N]: each heads node's estimated probability that its path is accepted (root: 1), used times
+    ``heads_scale`` (a ``HeadsCalibration``). A node at depth j of lookup branch b is worth p_lookup[b][j-1] (a
+    ``LookupReliability.values`` list), or p_lookup[b]**j for a number (the best over the branches through it); a
+    node also proposed by the heads is worth the larger. Values never grow along a path, so the kept set (best first,
+    shallower first on ties) holds each kept node's parent. With ``latency`` (seconds of one verify forward per node
+    count, measured on this machine) the budget itself is chosen per step: the n <= budget that maximises
+    (1 + sum of the n-1 best values) / (latency(n) + overhead), i.e. expected tokens per second of a round that also
+    spends ``overhead`` seconds drafting (the heads' proposing time when they ran: a dearer round makes extra nodes
+    relatively cheaper).
+
+    The heads' tree is read to the host once (``read_tree``: a few dozen numbers), merged and cut there, and the
+    kept tree copied back once (``tree.host_tree``): the tensors returned are on ``device``.
+    """
     if len(p_lookup) < len(branches):
         raise ValueError(f"{len(branches)} lookup branches but {len(p_lookup)} reliabilities")
     n_heads = len(tokens)
@@ -284,7 +274,7 @@ class BudgetDrafter:
     docstring): wraps any heads drafter.
 
     Per round: the gate decides whether the heads propose; with ``lookup`` settings, up to ``lookup.branches``
-    continuations of the longest matched suffix are merged into the heads' tree; ``share_budget`` keeps the most
+    continuations of the longest matched suffix are merged into the heads' tree; ``share_lists`` keeps the most
     valuable nodes, as many as pay for their verify time on ``costs.latency`` (None: the whole budget). ``observe``
     updates the reliabilities, the calibration and the gate, then passes the outcome on to the heads' drafter.
     ``costs.propose_seconds``: seconds one proposal of the heads takes on this machine; with the latency it sizes the
@@ -352,7 +342,7 @@ class BudgetDrafter:
         # neither decides nor learns from it
         self._drafting = room > 0
         heads_ran = self.gate.propose() if self._drafting else True
-        if heads_ran:  # the heads' tree, read to the host once (``share_budget``)
+        if heads_ran:  # the heads' tree, read to the host once (``share_lists``)
             own = yield from proposal_steps(self.heads, root, room)
             tokens, parents, values = read_tree(own.tokens, own.buffers, own.values)
         else:

@@ -4,7 +4,7 @@ The method (the decode loop, the drafters, verify / accept / commit) measures no
 machine's speed comes in a ``Costs``:
 
 - ``latency``: seconds of one tree-verify forward per node count, at a few cache lengths (``VerifyLatency``). With it
-  the heads' and hybrid trees are cut per round to the nodes worth their verify time (``budget.share_budget``);
+  the heads' and hybrid trees are cut per round to the nodes worth their verify time (``budget.share_lists``);
   without it every round verifies the whole tree.
 - ``propose_seconds``: seconds one proposal of the heads takes. With ``latency`` it prices the heads' rounds, and
   heads that do not earn it sit rounds out (``budget.HeadsGate``). ``propose_rows``: the seconds of several rows'
@@ -20,6 +20,7 @@ machine's speed comes in a ``Costs``:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -28,16 +29,13 @@ from .runner import as_plan
 
 def interpolate(latency: Mapping[int, float], n: int) -> float:
     """Verify latency of n tokens, linearly interpolated between measured sizes (extrapolated past the ends)."""
-    sizes = sorted(latency)
     if n in latency:
         return latency[n]
+    sizes = sorted(latency)
     if len(sizes) == 1:
         return latency[sizes[0]]
-    lo = max([s for s in sizes if s < n], default=sizes[0])
-    hi = min([s for s in sizes if s > n], default=sizes[-1])
-    if lo == hi:  # outside the measured range: extend the nearest segment
-        a, b = (sizes[-2], sizes[-1]) if n > sizes[-1] else (sizes[0], sizes[1])
-        lo, hi = a, b
+    i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)  # n's segment; outside: the nearest end's
+    lo, hi = sizes[i - 1], sizes[i]
     return latency[lo] + (latency[hi] - latency[lo]) * (n - lo) / (hi - lo)
 
 

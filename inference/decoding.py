@@ -35,6 +35,8 @@ import torch
 from tokenmaxx.heads.drafting import Draft
 from tokenmaxx.heads.modeling import backbone_features
 
+from .runner import Runner
+
 
 @dataclass
 class Verified:
@@ -90,8 +92,7 @@ def verify(model, kv, drafts: list[Draft], runner=None, feature_layers: tuple[in
     weight = model.get_output_embeddings().weight
     tokens, depths, tree, real = layout(drafts, weight.device)
     inputs = kv.tree_inputs(tokens, depths, tree, real, weight.dtype)
-    out = runner(model, **inputs) if runner is not None else model(**inputs, use_cache=True,
-                                                                   output_hidden_states=True)
+    out = (runner or Runner())(model, **inputs)
     n = tokens.shape[1]  # (a padded tree's extra nodes are dropped)
     return Verified(logits=kv.select(out.logits[:, :n]),
                     hidden=kv.select(backbone_features(out.hidden_states, feature_layers)[:, :n]))

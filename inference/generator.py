@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationConfig
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, DraftHeads, default_heads_path, load_backbone, load_heads
@@ -27,7 +28,7 @@ from .budget import GateConfig
 from .costs import Costs
 from .decoding import accept_greedy, each_row
 from .drafting import DEFAULT_DRAFT, NEEDS_HEADS, DraftSettings, check_draft_mode, make_drafter
-from .kv import CACHES, static_length
+from .kv import CACHES, kv_heads, static_length
 from .lookup import LookupConfig
 from .loop import STATIC_MARGIN, BatchStats, GenerationStats, decode, eos_ids, greedy_root
 from .record import Recorder
@@ -303,11 +304,6 @@ class SpeculativeGenerator:
         if len(rows) > 1:
             self._check_memory(len(rows), max(ids.shape[1] for ids in rows) + max(max_new))
 
-    def _recorded(self, rows) -> None:
-        """A call's traffic, to online adaptation when it is on."""
-        if self.online is not None:
-            self.online.add(rows)
-
     def _check_memory(self, rows: int, positions: int) -> None:
         """MemoryError before the prefill when a batch of ``rows`` rows of up to ``positions`` cache entries (plus
         the largest tree each; a static cache: the positions it is allocated with) would not fit in
@@ -315,13 +311,11 @@ class SpeculativeGenerator:
         in fp32 for the acceptance)."""
         config = self.model.config
         weight = self.model.get_output_embeddings().weight
-        layers = getattr(config, "num_hidden_layers", 0)
-        kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(config.num_attention_heads, 1)
+        layers, (heads, head_dim) = getattr(config, "num_hidden_layers", 0), kv_heads(config)
         nodes = STATIC_MARGIN
         entries = positions + nodes if self.cache == "dynamic" else static_length(self.model, positions + nodes,
                                                                                    self.capture)
-        cache = rows * entries * layers * 2 * kv_heads * head_dim * weight.element_size()
+        cache = rows * entries * layers * 2 * heads * head_dim * weight.element_size()
         logits = rows * nodes * weight.shape[0] * 4
         need, free = cache + logits, free_memory(weight.device)
         if free is not None and need > MEMORY_HEADROOM * free:
@@ -392,10 +386,8 @@ class SpeculativeGenerator:
         if sampling:
             warpers = build_warpers(config)
             rng = make_generator(seed, generator, device)
-            if typical is not None:
-                accept = each_row(functools.partial(accept_typical, warpers=warpers, generator=rng, rule=typical))
-            else:
-                accept = each_row(functools.partial(accept_sampling, warpers=warpers, generator=rng))
+            rule = functools.partial(accept_typical, rule=typical) if typical is not None else accept_sampling
+            accept = each_row(functools.partial(rule, warpers=warpers, generator=rng))
         elif typical is not None:
             raise ValueError("typical acceptance is a sampling rule: pass do_sample=True with a temperature > 0")
         else:
@@ -407,11 +399,8 @@ class SpeculativeGenerator:
         rows = rows if batch else [self.encode(prompt)]  # [1, P_b] each, on the device: so are the sequences
         max_new = per_row or [max_new_tokens] * len(rows)
         self._check_rows(rows, max_new)
-        width = max(ids.shape[1] for ids in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # left-padded
-        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
-        for i, ids in enumerate(rows):
-            input_ids[i, width - ids.shape[1]:], mask[i, width - ids.shape[1]:] = ids[0], True
+        input_ids = pad_sequence([ids[0] for ids in rows], batch_first=True, padding_side="left")
+        mask = pad_sequence([torch.ones_like(ids[0], dtype=torch.bool) for ids in rows], True, padding_side="left")
         choose_root = (lambda logits, row: sample(target_probs(logits, warpers), rng)) if sampling else greedy_root
         drafters = [self.make_drafter(row) for row in range(len(rows))]
         if recorder is not None:
@@ -420,7 +409,9 @@ class SpeculativeGenerator:
                                attention_mask=None if len(rows) == 1 else mask, runner=self.runner, cache=self.cache,
                                costs=self.costs, streamer=streamer, timed=timed)
         if recorder is not None:
-            self._recorded(recorder.finish(sampling))
+            traffic = recorder.finish(sampling)
+            if self.online is not None:  # a call's traffic, to online adaptation
+                self.online.add(traffic)
         outputs = []
         for ids, new, row_stats in zip(rows, tokens, stats.rows):
             text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -261,10 +261,6 @@ class StaticKV(KV):
         self._index = torch.tensor(self.active, device=self.live.device)
 
 
-def _power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def open_kv(model, kind: str, rows: int, positions: int, captured: bool = False) -> KV:
     """The cache of a generation of ``rows`` rows of up to ``positions`` positions each (prompt, new tokens, the
     largest padded tree): the one place a layout is chosen. ``kind``: "dynamic" (``GrowingKV``) or "static"
@@ -297,18 +293,24 @@ def open_kv(model, kind: str, rows: int, positions: int, captured: bool = False)
 
 def static_length(model, positions: int, captured: bool = False) -> int:
     """The positions of a new static cache for a generation of ``positions`` (``open_kv``)."""
-    length = max(MIN_CAPTURED if captured else MIN_STATIC, _power_of_two(positions))
+    length = max(MIN_CAPTURED if captured else MIN_STATIC, 1 << (positions - 1).bit_length())  # (powers of two)
     context = getattr(model.config, "max_position_embeddings", None)  # (no generation needs more)
-    return min(length, _power_of_two(max(context, positions))) if context else length
+    return min(length, 1 << (max(context, positions) - 1).bit_length()) if context else length
 
 
-def static_cache(model, rows: int, length: int) -> StaticCache:
-    """A ``StaticCache`` of ``rows`` rows and ``length`` positions for ``model``'s layers, allocated on its device in
-    its dtype."""
-    config, weight = model.config, model.get_output_embeddings().weight
-    heads = config.num_attention_heads
+def static_cache(model, rows: int, length: int, config=None, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> StaticCache:
+    """A ``StaticCache`` of ``rows`` rows and ``length`` positions for the layers ``config`` describes (default:
+    ``model``'s, allocated on its device in its dtype)."""
+    weight = model.get_output_embeddings().weight if model is not None else None
+    config, dtype, device = config or model.config, dtype or weight.dtype, device or weight.device
     cache = StaticCache(config=config, max_cache_len=length)
-    cache.early_initialization(rows, getattr(config, "num_key_value_heads", None) or heads,
-                               getattr(config, "head_dim", None) or config.hidden_size // heads, weight.dtype,
-                               weight.device)
+    cache.early_initialization(rows, *kv_heads(config), dtype, device)
     return cache
+
+
+def kv_heads(config) -> tuple[int, int]:
+    """The key/value heads of a layer of ``config``'s model and their size."""
+    heads = config.num_attention_heads
+    return getattr(config, "num_key_value_heads", None) or heads, getattr(config, "head_dim", None) or \
+        config.hidden_size // heads

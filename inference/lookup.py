@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmaxx.heads.drafting import HEADS, LOOKUP, Draft, Outcome, Prefill
-from tokenmaxx.heads.tree import TreeBuffers, host_tree
+from tokenmaxx.heads.tree import host_tree
 
 
 @dataclass(frozen=True)
@@ -124,23 +124,6 @@ def merge_lists(tokens: list[int], parents: list[int], branches: list[list[int]]
             path.append(node)
         paths.append(path)
     return toks, parents, sources, paths
-
-
-def merge_branches(tokens: torch.Tensor, buffers: TreeBuffers, branches: list[list[int]]
-                   ) -> tuple[torch.Tensor, TreeBuffers, torch.Tensor, list[list[int]]]:
-    """``merge_lists`` on a tree of tensors: tokens [N] (node 0 = root). Returns (tokens [N'], buffers, sources [N'],
-    the node indices along each branch), the tensors on the device of ``tokens`` (one read, one copy)."""
-    toks, parents = torch.stack([tokens, buffers.to(tokens.device).parents]).tolist()
-    toks, parents, sources, paths = merge_lists(toks, parents, branches)
-    out_buffers, (merged, merged_sources) = host_tree(tokens.device, parents, toks, sources)
-    return merged.long(), out_buffers, merged_sources.long(), paths
-
-
-def merge_branch(tokens: torch.Tensor, buffers: TreeBuffers, branch: list[int]) -> tuple[torch.Tensor, TreeBuffers,
-                                                                                            torch.Tensor]:
-    """``merge_branches`` with one branch: (tokens [N'], buffers, sources [N'])."""
-    merged, out_buffers, sources, _ = merge_branches(tokens, buffers, [branch])
-    return merged, out_buffers, sources
 
 
 class LookupDrafter:

@@ -46,8 +46,7 @@ class Throughput:
 
     @property
     def tokens_per_s(self) -> float:
-        wall = self.wall_seconds
-        return self.new_tokens / wall if wall else 0.0
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
 @dataclass
@@ -108,12 +107,10 @@ class GenerationStats(Throughput):
             self._by_source = None
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_tau": round(self.mean_tau, 4),
-                "accepted_hist": dict(sorted(self.accepted_hist.items())), "prefill_seconds": self.prefill_seconds,
-                "decode_seconds": self.decode_seconds, "wall_seconds": self.wall_seconds,
-                "tokens_per_s": self.tokens_per_s, "phase_seconds": self.phase_seconds,
-                "accepted_by_source": self.accepted_by_source, "heads_skipped": self.heads_skipped,
-                "verified_nodes": self.verified_nodes}
+        out = {name: getattr(self, name) for name in ("steps", "new_tokens", "mean_tau", "accepted_hist",
+               "prefill_seconds", "decode_seconds", "wall_seconds", "tokens_per_s", "phase_seconds",
+               "accepted_by_source", "heads_skipped", "verified_nodes")}
+        return out | {"mean_tau": round(self.mean_tau, 4), "accepted_hist": dict(sorted(self.accepted_hist.items()))}
 
 
 @dataclass

@@ -40,7 +40,7 @@ from transformers import StaticCache
 
 from tokenmaxx.heads.drafting import EAGER
 
-from .kv import bucket
+from .kv import bucket, static_cache
 
 Plan = Union[int, Mapping[int, str]]  # rows -> "all" | "head" | "body" (or k: "all" at 2..k rows)
 PARTS = ("all", "head", "body")
@@ -226,25 +226,17 @@ class CapturedPasses:
         """This thread's module cache of ``heads``, of at least ``width`` entries (its layers allocated up front, so
         that the first captured pass sees the cache every later pass sees): the current one, or one twice as large
         (or more) holding its entries."""
-        pool = getattr(_MODULE_CACHES, "by_heads", None)
-        if pool is None:
-            pool = _MODULE_CACHES.by_heads = weakref.WeakKeyDictionary()
-        slots = pool.setdefault(heads, {})
+        slots = _MODULE_CACHES.__dict__.setdefault("by_heads", weakref.WeakKeyDictionary()).setdefault(heads, {})
         old = slots.get(self.slot)
         layer = old.layers[0] if old is not None else None
-        if layer is not None and layer.max_cache_len >= width and layer.keys.device == device \
-                and layer.keys.dtype == heads.dtype:
+        usable = layer is not None and layer.keys.device == device and layer.keys.dtype == heads.dtype
+        if usable and layer.max_cache_len >= width:
             return old
-        size = layer.max_cache_len if layer is not None and layer.keys.device == device else MODULE_CACHE
+        size = layer.max_cache_len if usable else MODULE_CACHE
         while size < width:
             size *= 2
-        config = heads.layer_config
-        count = config.num_attention_heads
-        cache = StaticCache(config=config, max_cache_len=size)
-        cache.early_initialization(1, getattr(config, "num_key_value_heads", None) or count,
-                                   getattr(config, "head_dim", None) or config.hidden_size // count, heads.dtype,
-                                   device)
-        if layer is not None and layer.keys.device == device and layer.keys.dtype == heads.dtype:
+        cache = static_cache(None, 1, size, heads.layer_config, heads.dtype, device)
+        if usable:
             for new, was in zip(cache.layers, old.layers):  # (a generation that outgrew it keeps its entries)
                 new.keys[:, :, : was.max_cache_len] = was.keys
                 new.values[:, :, : was.max_cache_len] = was.values

@@ -86,8 +86,14 @@ def test_hybrid_sampling_runs_and_is_seeded(model):
     assert a == gen.generate(ids, 16, do_sample=True, temperature=0.8, seed=1).new_tokens and len(a) == 16
 
 
+def share_budget(tokens, buffers, values, *args, **kwargs):
+    """``share_lists`` on a heads tree of tensors, as the drafter calls it."""
+    from tokenmaxx.inference.budget import read_tree, share_lists
+    return share_lists(tokens.device, *read_tree(tokens, buffers, values), *args, **kwargs)
+
+
 def test_share_budget_gives_nodes_to_the_likelier_source():
-    from tokenmaxx.inference.budget import LookupReliability, share_budget
+    from tokenmaxx.inference.budget import LookupReliability
 
     # heads tree (token: value): root 9 -> 10 (0.5) -> 13 (0.3); root -> 12 (0.2); root -> 11 (0.05)
     tree = Tree([(0,), (0, 0), (1,), (2,)])
@@ -154,7 +160,6 @@ def test_lookup_reliability_learns_per_depth():
 
 
 def test_share_budget_with_several_branches():
-    from tokenmaxx.inference.budget import share_budget
 
     tree = Tree([(0,)])
     tokens = torch.tensor([9, 10])
@@ -172,7 +177,7 @@ def test_share_budget_with_several_branches():
 
 
 def test_heads_calibration_moves_budget_between_sources():
-    from tokenmaxx.inference.budget import HeadsCalibration, share_budget
+    from tokenmaxx.inference.budget import HeadsCalibration
 
     tree = Tree([(0,), (0, 0), (1,), (2,)])
     tokens = torch.tensor([9, 10, 12, 11, 13])
@@ -195,7 +200,6 @@ def test_heads_calibration_moves_budget_between_sources():
 
 
 def test_share_budget_sizes_the_tree_from_the_latency_table():
-    from tokenmaxx.inference.budget import share_budget
 
     tree = Tree([(0,), (0, 0), (1,), (2,)])
     tokens = torch.tensor([9, 10, 12, 11, 13])

@@ -6,8 +6,9 @@ from helpers import repeating_prompts, greedy_reference, random_heads
 
 from tokenmaxx.inference import SpeculativeGenerator, Tree
 from tokenmaxx.heads.drafting import HEADS, LOOKUP
+from tokenmaxx.heads.tree import host_tree
 from tokenmaxx.inference.budget import BudgetDrafter
-from tokenmaxx.inference.lookup import LookupConfig, LookupDrafter, NgramIndex, merge_branch
+from tokenmaxx.inference.lookup import LookupConfig, LookupDrafter, NgramIndex, merge_lists
 
 
 def _index(tokens, max_ngram=3):
@@ -56,6 +57,13 @@ def test_distinct_continuations_most_recent_first():
 def test_suffix_never_matches_itself():
     assert _index([4, 4]).continuation(3, min_ngram=1) == [4]  # (4,) at 0 -> next is 4
     assert _index([7]).continuation(3, min_ngram=1) == []
+
+
+def merge_branch(tokens, buffers, branch):
+    """A heads tree of tensors with one lookup branch merged in: (tokens, buffers, sources)."""
+    toks, parents, sources, _ = merge_lists(tokens.tolist(), buffers.parents.tolist(), [branch])
+    out_buffers, (merged, merged_sources) = host_tree(tokens.device, parents, toks, sources)
+    return merged.long(), out_buffers, merged_sources.long()
 
 
 def test_merge_dedupes_a_branch_that_coincides_with_a_head_path():
