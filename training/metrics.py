@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from tokenmaxx.heads.dynamic_tree import DynamicTreeConfig
 from tokenmaxx.heads.tree import TYPICAL_RANK_ACCURACY, Tree, sparse_tree
@@ -140,7 +141,8 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
     loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # [weighted loss * positions, positions]
     was_training = objective.training
     objective.eval()
-    for batch_rows in eval_micro_batches(data.eval if rows is None else rows, rank, world, micro_batch_size):
+    micro_batches = eval_micro_batches(data.eval if rows is None else rows, rank, world, micro_batch_size)
+    for batch_rows in tqdm(micro_batches, desc="held-out evaluation", unit="batch", leave=False, disable=rank != 0):
         batch = collate(data, batch_rows, lookback(objective.heads.config)).to(device)
         hidden = features.hidden(batch)  # [B, W, H]
         sel = objective.select(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head)
