@@ -282,7 +282,9 @@ def open_kv(model, kind: str, rows: int, positions: int, captured: bool = False)
     key = (id(model), rows, buckets)
     ref, cache = pool.pop(key, (None, None))
     if ref is None or ref() is not model or cache.layers[0].max_cache_len < positions:
-        ref, cache = weakref.ref(model), static_cache(model, rows, static_length(model, positions, captured))
+        weight = model.get_output_embeddings().weight
+        ref, cache = weakref.ref(model), static_cache(model.config, rows, static_length(model, positions, captured),
+                                                       weight.dtype, weight.device)
     pool[key] = ref, cache  # (the most recently used last)
     for stale in [k for k, (r, _) in pool.items() if r() is None]:
         del pool[stale]  # (a backbone that is gone)
@@ -298,12 +300,9 @@ def static_length(model, positions: int, captured: bool = False) -> int:
     return min(length, 1 << (max(context, positions) - 1).bit_length()) if context else length
 
 
-def static_cache(model, rows: int, length: int, config=None, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None) -> StaticCache:
-    """A ``StaticCache`` of ``rows`` rows and ``length`` positions for the layers ``config`` describes (default:
-    ``model``'s, allocated on its device in its dtype)."""
-    weight = model.get_output_embeddings().weight if model is not None else None
-    config, dtype, device = config or model.config, dtype or weight.dtype, device or weight.device
+def static_cache(config, rows: int, length: int, dtype: torch.dtype, device: torch.device) -> StaticCache:
+    """A ``StaticCache`` of ``rows`` rows and ``length`` positions for the layers ``config`` describes, allocated on
+    ``device`` in ``dtype``."""
     cache = StaticCache(config=config, max_cache_len=length)
     cache.early_initialization(rows, *kv_heads(config), dtype, device)
     return cache

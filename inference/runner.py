@@ -195,6 +195,7 @@ class CapturedPasses:
 
     def __init__(self, slot: int = 0):
         self.slot = slot
+        self.pool = _MODULE_CACHES.__dict__.setdefault("by_heads", weakref.WeakKeyDictionary())  # this thread's
 
     def call(self, module: nn.Module, name: str, fn: Callable, *args):
         return captured(module, name, fn, *args)
@@ -226,7 +227,7 @@ class CapturedPasses:
         """This thread's module cache of ``heads``, of at least ``width`` entries (its layers allocated up front, so
         that the first captured pass sees the cache every later pass sees): the current one, or one twice as large
         (or more) holding its entries."""
-        slots = _MODULE_CACHES.__dict__.setdefault("by_heads", weakref.WeakKeyDictionary()).setdefault(heads, {})
+        slots = self.pool.setdefault(heads, {})
         old = slots.get(self.slot)
         layer = old.layers[0] if old is not None else None
         usable = layer is not None and layer.keys.device == device and layer.keys.dtype == heads.dtype
@@ -235,7 +236,7 @@ class CapturedPasses:
         size = layer.max_cache_len if usable else MODULE_CACHE
         while size < width:
             size *= 2
-        cache = static_cache(None, 1, size, heads.layer_config, heads.dtype, device)
+        cache = static_cache(heads.layer_config, 1, size, heads.dtype, device)
         if usable:
             for new, was in zip(cache.layers, old.layers):  # (a generation that outgrew it keeps its entries)
                 new.keys[:, :, : was.max_cache_len] = was.keys

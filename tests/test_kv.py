@@ -25,11 +25,11 @@ def test_buckets():
     assert [bucket(n, BUCKETS) for n in (1, 2, 3, 8, 9, 100, 256, 257, 600)] == [1, 2, 4, 8, 16, 128, 256, 512, 768]
     assert bucket(5, (4, 6)) == 6 and bucket(7, (4, 6)) == 12
     with pytest.raises(ValueError, match="increasing positive"):
-        StaticKV(1, static_cache(tiny_model(), 1, 64), buckets=(8, 4))
+        StaticKV(1, static_cache(tiny_model().config, 1, 64, torch.float32, "cpu"), buckets=(8, 4))
 
 
 def _static(model, length, buckets=BUCKETS):
-    return StaticKV(1, static_cache(model, 1, length), buckets)
+    return StaticKV(1, static_cache(model.config, 1, length, model.dtype, model.device), buckets)
 
 
 @pytest.mark.parametrize("tree", [TREE, Tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])], ids=["full", "padded"])
@@ -325,7 +325,8 @@ def test_rows_that_finish_stay_in_a_static_cache_as_padding_and_leave_a_growing_
     tokens = torch.randint(3, 96, (2, TREE.num_nodes), generator=torch.Generator().manual_seed(6))
     nxt = torch.randint(3, 96, (3,), generator=torch.Generator().manual_seed(7))
     paths = [[0, 1, 4, 7], [0, 3]]
-    for kv in (open_kv(model, "dynamic", 2, 64), StaticKV(2, static_cache(model, 2, 64))):
+    for kv in (open_kv(model, "dynamic", 2, 64),
+               StaticKV(2, static_cache(model.config, 2, 64, model.dtype, model.device))):
         with torch.no_grad():
             kv.prefill(model, prefix, torch.ones_like(prefix, dtype=torch.bool), [[0, 1]], None)
             verify(model, kv, [tree_draft(tokens[i], TREE.buffers) for i in range(2)])
