@@ -2,16 +2,22 @@
 """Prompts of one shape from public text, to record as traffic (generate --prompts_file F --record DIR) and adapt to.
 
     python scripts/traffic_prompts.py --shape translate --count 320 --exclude ../shared/bench --out translate.jsonl
-    python scripts/traffic_prompts.py --shape summarize --count 320 --exclude ../shared/bench --out summarize.jsonl
+    python scripts/traffic_prompts.py --shape translate --language German --packages django wagtail plone.app.locales \
+        --count 800 --exclude ../shared/bench --out german.jsonl
+    python scripts/traffic_prompts.py --shape summarize --source news --count 320 --exclude ../shared/bench --out news.jsonl
 
-translate: "Translate <Language> to English: <text>" over the sentences of Django's message catalogs (8 languages;
-``pip install --no-deps django==5.2.9``) and ShareGPT's German paragraphs. summarize: "<ask>\\n\\n<passage>" over
-prose that ShareGPT's users pasted (60-300 words; the training prompt mix summarises assistant answers instead, so the
-two never share a passage). Seeded; records equal to an --exclude prompt are dropped. Writes {"prompt": ...} lines.
+translate: "Translate <Language> to English: <text>" over the sentences of installed packages' gettext catalogs
+(``--packages``, located and never imported: ``pip install --no-deps django==5.2.9 wagtail==8.0.1
+plone.app.locales==7.0.4``) and ShareGPT's German paragraphs and their sentences; ``--language`` keeps one source
+language. summarize: "<ask>\n\n<passage>" over prose that ShareGPT's users pasted (``--source sharegpt``, 60-300
+words; the training prompt mix summarises assistant answers instead, so the two never share a passage) or over the
+news reports of gensim's Lee corpus (``--source news``: 350 ABC news articles in gensim's test data; ``pip install
+--no-deps gensim==4.4.0``). Seeded; records equal to an --exclude prompt are dropped. Writes {"prompt": ...} lines.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -20,13 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmaxx.scripts.errors import parse_flags, run_script
-from tokenmaxx.scripts.make_text_data import django_locale_root
 from tokenmaxx.training.data import load_exclusions, normalize, read_json_array, sharegpt_path
 from tokenmaxx.training.prompt_mix import SUMMARY_ASKS, _clean, _prose, language
 from tokenmaxx.training.text_mix import CATALOG_LOCALES, read_catalogs
 
 SHAPES = ("translate", "summarize")
+SOURCES = ("sharegpt", "news")
 GERMAN = re.compile(r"\b(und|der|die|das|nicht|ist|mit|für|ein|eine|auf|sich|auch|werden)\b")
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-ZÄÖÜ„\"])")
+NEWS_FILES = ("lee_background.cor", "lee.cor")  # gensim/test/test_data: one news report a line
 
 
 @dataclass
@@ -36,10 +44,19 @@ class TrafficPromptArgs:
     count: int = field(default=320, metadata={"help": "prompts to write"})
     exclude: list[str] = field(default_factory=list, metadata={"help": "benchmark prompts never to use"})
     seed: int = field(default=0, metadata={"help": "seed of the sample"})
+    language: str | None = field(default=None, metadata={
+        "help": f"translate: the one source language to keep, one of {sorted(CATALOG_LOCALES)}; default: all"})
+    packages: list[str] = field(default_factory=lambda: ["django"], metadata={
+        "help": "translate: installed packages whose gettext catalogs give the sentences"})
+    source: str = field(default="sharegpt", metadata={"help": f"summarize: the passages, one of {SOURCES}"})
 
     def __post_init__(self):
         if self.shape not in SHAPES:
             raise ValueError(f"--shape must be one of {SHAPES}, got {self.shape!r}")
+        if self.language is not None and self.language not in CATALOG_LOCALES:
+            raise ValueError(f"--language must be one of {sorted(CATALOG_LOCALES)}, got {self.language!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"--source must be one of {SOURCES}, got {self.source!r}")
         if self.count <= 0:
             raise ValueError(f"--count must be positive, got {self.count}")
 
@@ -52,27 +69,67 @@ def _paragraphs(roles: tuple[str, ...]):
                     yield _clean(para)
 
 
-def translate_texts() -> list[str]:
+def package_root(name: str, why: str) -> Path:
+    """The folder of an installed package, located and never imported (its data files are what is read)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {name!r} is not installed ({why}): pip install --no-deps {name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _german(text: str) -> bool:
+    words = text.split()
+    return len(GERMAN.findall(text.lower())) >= max(2, len(words) // 8) and not re.search(r"[`{}<>#*|=_\\]|http", text)
+
+
+def translate_texts(packages: list[str], language: str | None = None) -> list[str]:
+    """Catalog messages of 5+ words and ShareGPT's German paragraphs (15-120 words) and sentences (6-60 words)."""
+    languages = [language] if language else list(CATALOG_LOCALES)
     texts = set()
-    for name, pairs in read_catalogs(django_locale_root()).items():
-        texts |= {f"Translate {name} to English: {foreign}" for _, foreign in pairs
-                  if len(foreign.split()) >= 5 and not re.search(r"[%{<]", foreign)}
-    for para in _paragraphs(("human", "gpt")):
-        words = para.split()
-        if 15 <= len(words) <= 120 and len(GERMAN.findall(para.lower())) >= max(3, len(words) // 8) and _prose(para):
-            texts.add(f"Translate German to English: {para}")
+    for package in packages:
+        for name, pairs in read_catalogs(package_root(package, "its message catalogs"), languages).items():
+            texts |= {f"Translate {name} to English: {foreign}" for _, foreign in pairs
+                      if len(foreign.split()) >= 5 and not re.search(r"[%{<$]", foreign)}
+    if "German" in languages:
+        for para in _paragraphs(("human", "gpt")):
+            if not (_german(para) and _prose(para)):
+                continue
+            if 15 <= len(para.split()) <= 120:
+                texts.add(f"Translate German to English: {para}")
+            for sentence in SENTENCE_END.split(para):
+                if 6 <= len(sentence.split()) <= 60 and sentence[-1] in ".!?" and _german(sentence):
+                    texts.add(f"Translate German to English: {sentence}")
     return sorted(texts)
 
 
-def summarize_texts(rng: random.Random) -> list[str]:
-    passages = {p for p in _paragraphs(("human",)) if 60 <= len(p.split()) <= 300 and _prose(p) and language(p) == "en"}
+def news_passages() -> list[str]:
+    """The news reports of gensim's Lee corpus (gensim/test/test_data; one report a line, cp1252 bytes in places)."""
+    folder = package_root("gensim", "its test data holds the Lee news corpus") / "test" / "test_data"
+    passages = []
+    for name in NEWS_FILES:
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: gensim's wheel (4.4.0) ships it; reinstall gensim")
+        passages += [" ".join(line.split()) for line in path.read_bytes().decode("cp1252").splitlines() if line.strip()]
+    return passages
+
+
+def summarize_texts(rng: random.Random, source: str = "sharegpt") -> list[str]:
+    if source == "news":
+        passages = set(news_passages())
+    else:
+        passages = {p for p in _paragraphs(("human",))
+                    if 60 <= len(p.split()) <= 300 and _prose(p) and language(p) == "en"}
     return [f"{rng.choice(SUMMARY_ASKS)}\n\n{p}" for p in sorted(passages)]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_flags(TrafficPromptArgs, argv, description=__doc__.split("\n\n")[0])
     rng = random.Random(args.seed)
-    texts = translate_texts() if args.shape == "translate" else summarize_texts(rng)
+    if args.shape == "translate":
+        texts = translate_texts(args.packages, args.language)
+    else:
+        texts = summarize_texts(rng, args.source)
     excluded = load_exclusions(args.exclude)
     texts = [t for t in texts if normalize(t) not in excluded]
     if len(texts) < args.count:
@@ -81,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("".join(json.dumps({"prompt": t}) + "\n" for t in picked))
     print(json.dumps({"shape": args.shape, "available": len(texts), "written": len(picked), "out": args.out,
-                      "languages": sorted(CATALOG_LOCALES) if args.shape == "translate" else ["English"]}))
+                      "languages": ([args.language] if args.language else sorted(CATALOG_LOCALES))
+                      if args.shape == "translate" else ["English"],
+                      "source": args.source if args.shape == "summarize" else args.packages}))
     return 0
 
 

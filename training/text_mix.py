@@ -110,8 +110,10 @@ def rag_record(origin: str, question: str, answer: str, others: list[str], cfg: 
 # ---- message catalogs (translation pairs) ---------------------------------------------------------------------------
 def catalog_files(root: str | Path, language: str) -> list[Path]:
     """The compiled gettext catalogs of ``language`` anywhere under ``root`` (``**/locale/<locale>/LC_MESSAGES/*.mo``,
-    Django's layout), in path order."""
-    return sorted(Path(root).glob(f"**/locale/{CATALOG_LOCALES[language]}/LC_MESSAGES/*.mo"))
+    Django's layout, or ``locales/``, Plone's), in path order."""
+    code = CATALOG_LOCALES[language]
+    return sorted({*Path(root).glob(f"**/locale/{code}/LC_MESSAGES/*.mo"),
+                   *Path(root).glob(f"**/locales/{code}/LC_MESSAGES/*.mo")})
 
 
 def read_catalogs(root: str | Path, languages: Iterable[str] = CATALOG_LOCALES) -> dict[str, list[tuple]]:

@@ -1,0 +1,73 @@
+"""Traffic prompts (scripts/traffic_prompts.py): one source language's sentences from installed packages' catalogs
+(Django's ``locale/`` and Plone's ``locales/`` layouts) and German ShareGPT paragraphs cut into sentences; news
+reports from gensim's test data, read in its cp1252 bytes; bad flags refused before any work."""
+
+import json
+import random
+
+import pytest
+
+from tokenmaxx.scripts import traffic_prompts
+
+from test_text_mix import write_mo
+
+GERMAN_PARA = ("Die Stadt hat einen neuen Plan für den Verkehr beschlossen. Der Bürgermeister sagte, dass die "
+               "Straßen im Zentrum nicht mehr für Autos offen sind. Das ist auch eine Frage der Sicherheit für die "
+               "Kinder.")
+
+
+@pytest.fixture
+def packages(tmp_path, monkeypatch):
+    roots = {"djangoish": tmp_path / "djangoish", "ploneish": tmp_path / "ploneish"}
+    write_mo(roots["djangoish"] / "conf" / "locale" / "de" / "LC_MESSAGES" / "django.mo",
+             {"Please correct the errors below.": "Bitte korrigieren Sie die unten aufgeführten Fehler.",
+              "Save": "Sichern", "%(n)s items were changed.": "%(n)s Objekte wurden geändert."})
+    write_mo(roots["ploneish"] / "locales" / "de" / "LC_MESSAGES" / "plone.mo",
+             {"You are not allowed to change the address.": "Sie dürfen die Adresse leider nicht ändern.",
+              "Le document a été publié.": "x"})
+    write_mo(roots["ploneish"] / "locales" / "fr" / "LC_MESSAGES" / "plone.mo",
+             {"The page was saved in the folder.": "La page a été enregistrée dans le dossier."})
+    news = tmp_path / "gensimish" / "test" / "test_data"
+    news.mkdir(parents=True)
+    (news / "lee_background.cor").write_bytes("Prices rose by \u00a35 today.\n\n".encode("cp1252")
+                                              + b"Second   report here.\n")
+    (news / "lee.cor").write_bytes(b"Third report.\n")
+    found = {"gensim": tmp_path / "gensimish", **roots}
+    monkeypatch.setattr(traffic_prompts, "package_root", lambda name, why: found[name])
+    monkeypatch.setattr(traffic_prompts, "_paragraphs", lambda roles: iter([GERMAN_PARA, "Too short und der."]))
+    return roots
+
+
+def test_one_language_from_both_catalog_layouts_and_german_sentences(packages):
+    texts = traffic_prompts.translate_texts(["djangoish", "ploneish"], "German")
+    assert "Translate German to English: Bitte korrigieren Sie die unten aufgeführten Fehler." in texts
+    assert "Translate German to English: Sie dürfen die Adresse leider nicht ändern." in texts  # locales/ (Plone)
+    assert "Translate German to English: Sichern" not in texts  # under 5 words
+    assert not any("%(n)s" in t or "French" in t for t in texts)  # placeholders, other languages
+    assert f"Translate German to English: {GERMAN_PARA}" in texts  # the paragraph, and each sentence of it
+    assert "Translate German to English: Das ist auch eine Frage der Sicherheit für die Kinder." in texts
+    assert len([t for t in texts if "Bürgermeister" in t]) == 2
+    every = traffic_prompts.translate_texts(["ploneish"])
+    assert "Translate French to English: La page a été enregistrée dans le dossier." in every
+
+
+def test_news_passages_are_gensims_reports(packages):
+    assert traffic_prompts.news_passages() == ["Prices rose by \u00a35 today.", "Second report here.", "Third report."]
+    texts = traffic_prompts.summarize_texts(random.Random(0), "news")
+    assert len(texts) == 3 and all(t.split("\n\n")[0] in traffic_prompts.SUMMARY_ASKS for t in texts)
+
+
+def test_cli_writes_seeded_prompts_and_refuses_bad_flags(packages, tmp_path, capsys):
+    out = tmp_path / "p.jsonl"
+    argv = ["--shape", "summarize", "--source", "news", "--count", "2", "--out", str(out)]
+    assert traffic_prompts.main(argv) == 0
+    first = out.read_text()
+    assert traffic_prompts.main(argv) == 0 and out.read_text() == first and len(first.splitlines()) == 2
+    assert all("prompt" in json.loads(line) for line in first.splitlines())
+    for bad, words in ((["--language", "Klingon"], "--language must be one of"),
+                       (["--source", "rss"], "--source must be one of")):
+        with pytest.raises(SystemExit):
+            traffic_prompts.main([*argv, *bad])
+        assert words in capsys.readouterr().err
+    with pytest.raises(ValueError, match="only 3 summarize prompts are available"):
+        traffic_prompts.main([*argv, "--count", "9"])  # the last --count wins
