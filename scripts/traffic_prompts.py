@@ -4,7 +4,9 @@
     python scripts/traffic_prompts.py --shape translate --count 320 --exclude ../shared/bench --out translate.jsonl
     python scripts/traffic_prompts.py --shape translate --language German --packages django wagtail plone.app.locales \
         --count 800 --exclude ../shared/bench --out german.jsonl
-    python scripts/traffic_prompts.py --shape summarize --source news --count 320 --exclude ../shared/bench --out news.jsonl
+    python scripts/traffic_prompts.py --shape summarize --source news --count 320 --exclude ../shared/bench \
+        --out news.jsonl
+    python scripts/traffic_prompts.py --shape question --count 320 --exclude ../shared/bench --out questions.jsonl
 
 translate: "Translate <Language> to English: <text>" over the sentences of installed packages' gettext catalogs
 (``--packages``, located and never imported: ``pip install --no-deps django==5.2.9 wagtail==8.0.1
@@ -12,7 +14,8 @@ plone.app.locales==7.0.4``) and ShareGPT's German paragraphs and their sentences
 language. summarize: "<ask>\n\n<passage>" over prose that ShareGPT's users pasted (``--source sharegpt``, 60-300
 words; the training prompt mix summarises assistant answers instead, so the two never share a passage) or over the
 news reports of gensim's Lee corpus (``--source news``: 350 ABC news articles in gensim's test data; ``pip install
---no-deps gensim==4.4.0``). Seeded; records equal to an --exclude prompt are dropped. Writes {"prompt": ...} lines.
+--no-deps gensim==4.4.0``). question: the short standalone questions that open ShareGPT conversations. Seeded;
+records equal to an --exclude prompt are dropped. Writes {"prompt": ...} lines.
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ from tokenmaxx.training.data import load_exclusions, normalize, read_json_array,
 from tokenmaxx.training.prompt_mix import SUMMARY_ASKS, _clean, _prose, language
 from tokenmaxx.training.text_mix import CATALOG_LOCALES, read_catalogs
 
-SHAPES = ("translate", "summarize")
+SHAPES = ("translate", "summarize", "question")
 SOURCES = ("sharegpt", "news")
 GERMAN = re.compile(r"\b(und|der|die|das|nicht|ist|mit|für|ein|eine|auf|sich|auch|werden)\b")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-ZÄÖÜ„\"])")
 NEWS_FILES = ("lee_background.cor", "lee.cor")  # gensim/test/test_data: one news report a line
+QUESTION = re.compile(r"^(who|what|when|where|which|why|how (many|much|long|old|far|tall|big)|is|are|was|were|did|does"
+                      r"|do) ", re.I)
+CONTEXTUAL = re.compile(r"\b(this|that|these|those|above|below|previous|step|it|me|my|i|we|our|code|script|python"
+                        r"|function)\b|[`{}<>#*|=_\\]|http", re.I)  # refers to something before it, or not a fact
 
 
 @dataclass
@@ -123,11 +130,28 @@ def summarize_texts(rng: random.Random, source: str = "sharegpt") -> list[str]:
     return [f"{rng.choice(SUMMARY_ASKS)}\n\n{p}" for p in sorted(passages)]
 
 
+def question_texts() -> list[str]:
+    """Short standalone questions (4-20 words, one question mark, a wh-word or an auxiliary first, nothing that refers
+    to an earlier turn) that open a ShareGPT conversation."""
+    texts = set()
+    for record in read_json_array(sharegpt_path()):
+        turns = record.get("conversations", [])
+        if not turns or turns[0].get("from") != "human":
+            continue
+        text = " ".join(str(turns[0].get("value", "")).split())
+        if (4 <= len(text.split()) <= 20 and text.endswith("?") and text.count("?") == 1 and QUESTION.match(text)
+                and not CONTEXTUAL.search(text) and language(text) == "en"):
+            texts.add(text)
+    return sorted(texts)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_flags(TrafficPromptArgs, argv, description=__doc__.split("\n\n")[0])
     rng = random.Random(args.seed)
     if args.shape == "translate":
         texts = translate_texts(args.packages, args.language)
+    elif args.shape == "question":
+        texts = question_texts()
     else:
         texts = summarize_texts(rng, args.source)
     excluded = load_exclusions(args.exclude)
@@ -140,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"shape": args.shape, "available": len(texts), "written": len(picked), "out": args.out,
                       "languages": ([args.language] if args.language else sorted(CATALOG_LOCALES))
                       if args.shape == "translate" else ["English"],
-                      "source": args.source if args.shape == "summarize" else args.packages}))
+                      "source": {"translate": args.packages, "summarize": args.source}.get(args.shape, "sharegpt")}))
     return 0
 
 

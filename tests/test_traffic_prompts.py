@@ -71,3 +71,17 @@ def test_cli_writes_seeded_prompts_and_refuses_bad_flags(packages, tmp_path, cap
         assert words in capsys.readouterr().err
     with pytest.raises(ValueError, match="only 3 summarize prompts are available"):
         traffic_prompts.main([*argv, "--count", "9"])  # the last --count wins
+
+
+def test_questions_are_short_standalone_openers(monkeypatch):
+    def turn(text, who="human"):
+        return {"conversations": [{"from": who, "value": text}, {"from": "gpt", "value": "An answer."}]}
+    records = [turn("Who composed the tune of   Twinkle, Twinkle, Little Star?"), turn("What is the capital of Peru?"),
+               turn("Can you explain step 3 of this?"),  # refers to an earlier turn
+               turn("What is it?"),  # too short, and refers back
+               turn("Why? And how?"), turn("Tell me about Peru."), turn("What is a monad?", who="gpt"),
+               {"conversations": []}]
+    monkeypatch.setattr(traffic_prompts, "read_json_array", lambda path: iter(records))
+    monkeypatch.setattr(traffic_prompts, "sharegpt_path", lambda: "sharegpt.json")
+    assert traffic_prompts.question_texts() == ["What is the capital of Peru?",
+                                                "Who composed the tune of Twinkle, Twinkle, Little Star?"]

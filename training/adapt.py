@@ -57,21 +57,23 @@ class AdaptConfig:
         "help": "self-distilled dataset the heads were trained on, or a folder of its make-data parts (the shipped "
                 "heads': distilled/smollm2-mix, merged into the run folder once): a sample of it is mixed in so that "
                 "what the heads knew is kept, and its held-out rows are scored before and after"})
-    replay_share: float = field(default=0.5, metadata={
-        "help": "replay answer tokens per traffic answer token trained on (0.5: one to two)"})
+    replay_share: float = field(default=2.0, metadata={
+        "help": "replay answer tokens per traffic answer token trained on (2: two to one; less let the categories "
+                "the traffic lacks fall)"})
     replay_eval: int = field(default=64, metadata={"help": "held-out replay rows scored before and after"})
     held_out: float = field(default=0.1, metadata={"help": "share of the traffic rows held out for the score"})
     min_gain: float = field(default=0.0, metadata={
         "help": "ship only if held-out traffic tau rises by more than this"})
-    prompt_context: int | None = field(default=None, metadata={
-        "help": "the prompt's last positions the adapted heads read before the answer (HeadsConfig.prompt_context); "
-                "default: the heads' own"})
+    prompt_context: int | None = field(default=512, metadata={
+        "help": "the prompt's last positions the adapted heads read before the answer (HeadsConfig.prompt_context): "
+                "what they translate or summarise is there; None: the heads' own"})
     backbone: str | None = field(default=None, metadata={"help": "backbone; default: the one the heads name"})
     dtype: str = field(default="auto", metadata={"help": f"one of {DTYPES}"})
     device: str = field(default="auto", metadata={"help": "cpu | cuda[:N] | auto"})
     threads: int = field(default_factory=default_threads, metadata={"help": "torch CPU threads"})
-    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
-    lr: float = field(default=1e-4, metadata={"help": "peak AdamW learning rate (small: the heads are trained)"})
+    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
+    lr: float = field(default=3e-4, metadata={"help": "peak AdamW learning rate (a third of training's: the heads are "
+                                                      "trained)"})
     warmup: int = field(default=10, metadata={"help": "warm-up steps"})
     micro_batch_size: int = field(default=8, metadata={"help": "rows per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
