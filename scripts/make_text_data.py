@@ -53,13 +53,25 @@ class TextDataArgs:
             raise ValueError(f"--max_records must be >= 0 (0: all), got {self.max_records}")
 
 
-def django_locale_root() -> Path:
-    spec = importlib.util.find_spec("django")  # located, never imported
+def installed_package_root(name: str) -> Path | None:
+    """The folder of an installed package, located and never imported (its data files are what is read); None when it
+    (or a parent of a dotted name) is not installed."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def django_locale_root() -> Path:
+    root = installed_package_root("django")
+    if root is None:
         raise ValueError("no --catalogs folder given and django is not installed: pip install --no-deps "
                          "django==5.2.9 (its message catalogs are the translation pairs), or name a folder of .mo "
                          "catalogs with --catalogs")
-    return Path(list(spec.submodule_search_locations)[0])
+    return root
 
 
 def _sha256(path: Path) -> str:

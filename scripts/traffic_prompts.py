@@ -20,7 +20,6 @@ records equal to an --exclude prompt are dropped. Writes {"prompt": ...} lines.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmaxx.scripts.errors import parse_flags, run_script
+from tokenmaxx.scripts.make_text_data import installed_package_root
 from tokenmaxx.training.data import load_exclusions, normalize, read_json_array, sharegpt_path
 from tokenmaxx.training.prompt_mix import SUMMARY_ASKS, _clean, _prose, language
 from tokenmaxx.training.text_mix import CATALOG_LOCALES, read_catalogs
@@ -40,8 +40,9 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-ZÄÖÜ„\"])")
 NEWS_FILES = ("lee_background.cor", "lee.cor")  # gensim/test/test_data: one news report a line
 QUESTION = re.compile(r"^(who|what|when|where|which|why|how (many|much|long|old|far|tall|big)|is|are|was|were|did|does"
                       r"|do) ", re.I)
+MARKUP = re.compile(r"[`{}<>#*|=_\\]|http")  # code, markup or links: not prose
 CONTEXTUAL = re.compile(r"\b(this|that|these|those|above|below|previous|step|it|me|my|i|we|our|code|script|python"
-                        r"|function)\b|[`{}<>#*|=_\\]|http", re.I)  # refers to something before it, or not a fact
+                        r"|function)\b", re.I)  # refers to something before it, or not a fact
 
 
 @dataclass
@@ -77,16 +78,14 @@ def _paragraphs(roles: tuple[str, ...]):
 
 
 def package_root(name: str, why: str) -> Path:
-    """The folder of an installed package, located and never imported (its data files are what is read)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
+    root = installed_package_root(name)
+    if root is None:
         raise ValueError(f"package {name!r} is not installed ({why}): pip install --no-deps {name}")
-    return Path(list(spec.submodule_search_locations)[0])
+    return root
 
 
 def _german(text: str) -> bool:
-    words = text.split()
-    return len(GERMAN.findall(text.lower())) >= max(2, len(words) // 8) and not re.search(r"[`{}<>#*|=_\\]|http", text)
+    return len(GERMAN.findall(text.lower())) >= max(2, len(text.split()) // 8) and not MARKUP.search(text)
 
 
 def translate_texts(packages: list[str], language: str | None = None) -> list[str]:
@@ -140,7 +139,7 @@ def question_texts() -> list[str]:
             continue
         text = " ".join(str(turns[0].get("value", "")).split())
         if (4 <= len(text.split()) <= 20 and text.endswith("?") and text.count("?") == 1 and QUESTION.match(text)
-                and not CONTEXTUAL.search(text) and language(text) == "en"):
+                and not CONTEXTUAL.search(text) and not MARKUP.search(text) and language(text) == "en"):
             texts.add(text)
     return sorted(texts)
 
