@@ -7,6 +7,7 @@
     python scripts/traffic_prompts.py --shape summarize --source news --count 320 --exclude ../shared/bench \
         --out news.jsonl
     python scripts/traffic_prompts.py --shape question --count 320 --exclude ../shared/bench --out questions.jsonl
+    python scripts/traffic_prompts.py --shape rag --count 400 --exclude ../shared/bench --out rag.jsonl
 
 translate: "Translate <Language> to English: <text>" over the sentences of installed packages' gettext catalogs
 (``--packages``, located and never imported: ``pip install --no-deps django==5.2.9 wagtail==8.0.1
@@ -14,18 +15,23 @@ plone.app.locales==7.0.4``) and ShareGPT's German paragraphs and their sentences
 language. summarize: "<ask>\n\n<passage>" over prose that ShareGPT's users pasted (``--source sharegpt``, 60-300
 words; the training prompt mix summarises assistant answers instead, so the two never share a passage) or over the
 news reports of gensim's Lee corpus (``--source news``: 350 ABC news articles in gensim's test data; ``pip install
---no-deps gensim==4.4.0``). question: the short standalone questions that open ShareGPT conversations. Seeded;
+--no-deps gensim==4.4.0``). question: the short standalone questions that open ShareGPT conversations. rag:
+retrieval-augmented questions: five 100-word Wikipedia passages ("<title> <text>" a line: the one a question is
+about, two more of its article, two of others, shuffled) and a question about the first passage's article section,
+over the 106 articles of gensim's Wikipedia sample (its test data; wikitext read with ``mwparserfromhell``). Seeded;
 records equal to an --exclude prompt are dropped. Writes {"prompt": ...} lines.
 """
 
 from __future__ import annotations
 
+import bz2
 import json
 import random
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from xml.etree import ElementTree
 
 from tokenmaxx.scripts.errors import parse_flags, run_script
 from tokenmaxx.scripts.make_text_data import installed_package_root
@@ -33,11 +39,17 @@ from tokenmaxx.training.data import load_exclusions, normalize, read_json_array,
 from tokenmaxx.training.prompt_mix import SUMMARY_ASKS, _clean, _prose, language
 from tokenmaxx.training.text_mix import CATALOG_LOCALES, read_catalogs
 
-SHAPES = ("translate", "summarize", "question")
+SHAPES = ("translate", "summarize", "question", "rag")
 SOURCES = ("sharegpt", "news")
 GERMAN = re.compile(r"\b(und|der|die|das|nicht|ist|mit|für|ein|eine|auf|sich|auch|werden)\b")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-ZÄÖÜ„\"])")
 NEWS_FILES = ("lee_background.cor", "lee.cor")  # gensim/test/test_data: one news report a line
+WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"  # gensim/test/test_data
+NOT_PROSE_SECTIONS = re.compile(r"^(see also|references|notes|footnotes|citations|external links|further reading"
+                                r"|bibliography|sources|works|discography|filmography)\b", re.I)
+RAG_QUESTIONS = ("What is {}?", "What is known about {}?", "What do the passages say about {}?",
+                 "Can you explain {}?", "Tell me about {}.")
+RAG_OWN, RAG_OTHERS = 2, 2  # passages beside the asked one: more of its article, and of other articles
 QUESTION = re.compile(r"^(who|what|when|where|which|why|how (many|much|long|old|far|tall|big)|is|are|was|were|did|does"
                       r"|do) ", re.I)
 MARKUP = re.compile(r"[`{}<>#*|=_\\]|http")  # code, markup or links: not prose
@@ -110,14 +122,76 @@ def translate_texts(packages: list[str], language: str | None = None) -> list[st
 
 def news_passages() -> list[str]:
     """The news reports of gensim's Lee corpus (gensim/test/test_data; one report a line, cp1252 bytes in places)."""
-    folder = package_root("gensim", "its test data holds the Lee news corpus") / "test" / "test_data"
     passages = []
     for name in NEWS_FILES:
-        path = folder / name
-        if not path.is_file():
-            raise ValueError(f"{path} is missing: gensim's wheel (4.4.0) ships it; reinstall gensim")
+        path = gensim_test_file(name)
         passages += [" ".join(line.split()) for line in path.read_bytes().decode("cp1252").splitlines() if line.strip()]
     return passages
+
+
+def gensim_test_file(name: str) -> Path:
+    path = package_root("gensim", f"its test data holds {name}") / "test" / "test_data" / name
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: gensim's wheel (4.4.0) ships it; reinstall gensim")
+    return path
+
+
+def wiki_passages(words: int = 100) -> list[tuple[str, str | None, str]]:
+    """(title, section heading or None for the lead, passage) over the articles of gensim's Wikipedia sample: each
+    section's prose paragraphs (20+ words; references, headings and lists dropped) cut into ``words``-word passages
+    (a last piece of at least half that kept), in the dump's order."""
+    try:
+        import mwparserfromhell
+    except ImportError:
+        raise ValueError("--shape rag reads wikitext with mwparserfromhell: pip install mwparserfromhell") from None
+    passages = []
+    for _, element in ElementTree.iterparse(bz2.open(gensim_test_file(WIKI_FILE))):
+        namespace, _, tag = element.tag.rpartition("}")
+        if tag != "page":
+            continue
+        ns = namespace + "}" if namespace else ""
+        title, text = element.findtext(f"{ns}title"), element.findtext(f"{ns}revision/{ns}text") or ""
+        element.clear()
+        if text.lstrip().lower().startswith("#redirect"):
+            continue
+        for section in mwparserfromhell.parse(text).get_sections(flat=True, include_lead=True):
+            headings = section.filter_headings(recursive=False)
+            heading = (headings[0].title.strip_code().strip() or None) if headings else None
+            if heading is not None and NOT_PROSE_SECTIONS.match(heading):
+                continue
+            for node in [*headings, *(t for t in section.filter_tags() if str(t.tag).strip().lower() == "ref")]:
+                try:
+                    section.remove(node)
+                except ValueError:  # inside a node removed already
+                    pass
+            prose = [" ".join(p.split()) for p in section.strip_code().split("\n") if len(p.split()) >= 20]
+            flat = " ".join(prose).split()
+            passages += [(title, heading, " ".join(flat[i:i + words]))
+                         for i in range(0, len(flat), words) if len(flat) - i >= words // 2]
+    return passages
+
+
+def rag_texts(rng: random.Random) -> list[str]:
+    """One retrieval-augmented prompt a Wikipedia passage (see the module's docstring)."""
+    passages = wiki_passages()
+    by_title: dict[str, list[int]] = {}
+    for i, (title, _, _) in enumerate(passages):
+        by_title.setdefault(title, []).append(i)
+    texts = []
+    for i, (title, heading, _) in enumerate(passages):
+        own = [j for j in by_title[title] if j != i]
+        others = [j for j in range(len(passages)) if passages[j][0] != title]
+        if len(own) < RAG_OWN or len(others) < RAG_OTHERS:
+            continue
+        chosen = [i, *rng.sample(own, RAG_OWN), *rng.sample(others, RAG_OTHERS)]
+        rng.shuffle(chosen)
+        if heading is None:
+            subject = title
+        else:  # "the history of Alaska", "the medieval Europe of Alchemy"; acronyms keep their capitals
+            subject = f"the {heading[0].lower() + heading[1:] if heading[1:2].islower() else heading} of {title}"
+        question = rng.choice(RAG_QUESTIONS).format(subject)
+        texts.append("\n".join(f"{passages[j][0]} {passages[j][2]}" for j in chosen) + "\n" + question)
+    return texts
 
 
 def summarize_texts(rng: random.Random, source: str = "sharegpt") -> list[str]:
@@ -151,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         texts = translate_texts(args.packages, args.language)
     elif args.shape == "question":
         texts = question_texts()
+    elif args.shape == "rag":
+        texts = rag_texts(rng)
     else:
         texts = summarize_texts(rng, args.source)
     excluded = load_exclusions(args.exclude)
@@ -163,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"shape": args.shape, "available": len(texts), "written": len(picked), "out": args.out,
                       "languages": ([args.language] if args.language else sorted(CATALOG_LOCALES))
                       if args.shape == "translate" else ["English"],
-                      "source": {"translate": args.packages, "summarize": args.source}.get(args.shape, "sharegpt")}))
+                      "source": {"translate": args.packages, "summarize": args.source,
+                                 "rag": "gensim Wikipedia sample"}.get(args.shape, "sharegpt")}))
     return 0
 
 

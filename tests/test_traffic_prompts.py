@@ -1,7 +1,10 @@
 """Traffic prompts (scripts/traffic_prompts.py): one source language's sentences from installed packages' catalogs
 (Django's ``locale/`` and Plone's ``locales/`` layouts) and German ShareGPT paragraphs cut into sentences; news
-reports from gensim's test data, read in its cp1252 bytes; bad flags refused before any work."""
+reports from gensim's test data, read in its cp1252 bytes; retrieval-augmented prompts over the Wikipedia sample
+there (section prose cut into passages, references and non-prose sections dropped); bad flags refused before any
+work."""
 
+import bz2
 import json
 import random
 
@@ -14,6 +17,24 @@ from test_text_mix import write_mo
 GERMAN_PARA = ("Die Stadt hat einen neuen Plan für den Verkehr beschlossen. Der Bürgermeister sagte, dass die "
                "Straßen im Zentrum nicht mehr für Autos offen sind. Das ist auch eine Frage der Sicherheit für die "
                "Kinder.")
+
+
+def words(tag, n):
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def page(title, text):
+    return f'<page><title>{title}</title><ns>0</ns><revision><text xml:space="preserve">{text}</text></revision></page>'
+
+
+def wiki_dump():
+    """Three articles as a MediaWiki export holds them (its namespace, escaped wikitext), and a redirect."""
+    alaska = ("'''Alaska''' is a [[U.S. state|state]]. " + words("lead", 130) + "&lt;ref&gt;Cited, p. 1&lt;/ref&gt;"
+              "\n\nShort line.\n\n== History ==\n" + words("hist", 100) + "\n\n=== CEO Era ===\n" + words("era", 60)
+              + "\n\n== References ==\n" + words("refs", 100))
+    pages = [page("Alaska", alaska), page("Aruba", words("aruba", 200)), page("Albedo", words("albedo", 100)),
+             page("AlaskaHistory", "#REDIRECT [[Alaska]]")]
+    return '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">' + "".join(pages) + "</mediawiki>"
 
 
 @pytest.fixture
@@ -32,6 +53,7 @@ def packages(tmp_path, monkeypatch):
     (news / "lee_background.cor").write_bytes("Prices rose by \u00a35 today.\n\n".encode("cp1252")
                                               + b"Second   report here.\n")
     (news / "lee.cor").write_bytes(b"Third report.\n")
+    (news / traffic_prompts.WIKI_FILE).write_bytes(bz2.compress(wiki_dump().encode()))
     found = {"gensim": tmp_path / "gensimish", **roots}
     monkeypatch.setattr(traffic_prompts, "package_root", lambda name, why: found[name])
     monkeypatch.setattr(traffic_prompts, "_paragraphs", lambda roles: iter([GERMAN_PARA, "Too short und der."]))
@@ -85,3 +107,30 @@ def test_questions_are_short_standalone_openers(monkeypatch):
     monkeypatch.setattr(traffic_prompts, "sharegpt_path", lambda: "sharegpt.json")
     assert traffic_prompts.question_texts() == ["What is the capital of Peru?",
                                                 "Who composed the tune of Twinkle, Twinkle, Little Star?"]
+
+
+def test_wiki_passages_are_section_prose_cut_into_pieces(packages):
+    passages = traffic_prompts.wiki_passages()
+    alaska = [(heading, text) for title, heading, text in passages if title == "Alaska"]
+    # the lead's 134 words: 100 and a last 34 under half a passage, dropped; "Short line." is no paragraph
+    assert [(heading, len(text.split())) for heading, text in alaska] == [(None, 100), ("History", 100),
+                                                                           ("CEO Era", 60)]
+    assert alaska[0][1].startswith("Alaska is a state. lead0") and "Cited" not in alaska[0][1]  # references dropped
+    assert not any("refs0" in text for *_, text in passages)  # the References section
+    assert [title for title, *_ in passages].count("Aruba") == 2  # 200 words: two passages
+    assert {title for title, *_ in passages} == {"Alaska", "Aruba", "Albedo"}  # the redirect gives none
+
+
+def test_rag_prompts_put_the_asked_passage_among_its_articles_and_others(packages, monkeypatch):
+    monkeypatch.setattr(traffic_prompts, "RAG_OWN", 1)
+    monkeypatch.setattr(traffic_prompts, "RAG_OTHERS", 1)
+    passages = traffic_prompts.wiki_passages()
+    texts = traffic_prompts.rag_texts(random.Random(0))
+    assert len(texts) == 5  # Albedo's one passage has no other of its article: no prompt
+    for text in texts:
+        *lines, question = text.split("\n")
+        assert len(lines) == 3 and all(any(line == f"{t} {body}" for t, _, body in passages) for line in lines)
+        assert question.endswith(("?", ".")) and question.split()[-1].rstrip("?.") in {"Alaska", "Aruba"}
+    eras = [t for t in texts if "the CEO Era of Alaska" in t.split("\n")[-1]]  # acronyms keep their capitals
+    history = [t for t in texts if "the history of Alaska" in t.split("\n")[-1]]
+    assert len(eras) == 1 and "era0" in eras[0] and len(history) == 1 and "hist0" in history[0]
