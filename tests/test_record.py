@@ -145,8 +145,9 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
     served = SpeculativeGenerator(model, load_heads(str(tmp_path / "heads")), draft="heads", costs=None)
     vocab = model.config.vocab_size
     rows = _kind_a(vocab, 48, seed=0)
-    for first in range(0, len(rows), 8):  # traffic: batches of 8
-        served.generate(rows[first: first + 8], max_new_tokens=24, record=tmp_path / "traffic")
+    folders = [tmp_path / "traffic", tmp_path / "traffic-2"] if prompt_context else [tmp_path / "traffic"]
+    for first in range(0, len(rows), 8):  # traffic: batches of 8 (into two folders, adapted to as one)
+        served.generate(rows[first: first + 8], max_new_tokens=24, record=folders[first // 8 % len(folders)])
     others = _kind_a(vocab, 8, seed=1)  # prompts of the same kind, never recorded
     before = _mean_tau(served, others)
     replay = data_dir
@@ -155,13 +156,15 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
 
         replay = tmp_path / "parts"
         shutil.copytree(data_dir, replay / "part-000")
-    report = adapt(AdaptConfig(heads=str(tmp_path / "heads"), traffic=str(tmp_path / "traffic"),
+    report = adapt(AdaptConfig(heads=str(tmp_path / "heads"), traffic=[str(f) for f in folders],
                                output_dir=str(tmp_path / "run"), replay=str(replay), replay_share=0.25,
                                replay_eval=8, dtype="float32", max_steps=80, lr=1e-2, warmup=2, micro_batch_size=8,
-                               seq_len=48, save_every=20, held_out=0.2, prompt_context=prompt_context))
+                               seq_len=None if prompt_context else 48, save_every=20, held_out=0.2,
+                               prompt_context=prompt_context))  # None: each row's whole answer
     assert report["shipped"], report
     assert report["after"]["traffic"]["tree_tau_empirical"] > report["before"]["traffic"]["tree_tau_empirical"]
     assert set(report["before"]) == {"traffic", "replay"} and report["rows"]["replay_train"] > 0
+    assert sum(report["rows"][k] for k in ("traffic_train", "traffic_held_out")) == len(rows)  # every row, whole
     adapted = SpeculativeGenerator(model, load_heads(str(tmp_path / "run" / "heads")), draft="heads", costs=None)
     after = _mean_tau(adapted, others)
     assert after > before + 0.2, (before, after, report)
@@ -173,6 +176,29 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
     assert extra["metrics_before"] == json.loads((tmp_path / "run" / "metrics_before.json").read_text())
     assert torch.equal(load_heads(str(tmp_path / "run" / "heads")).draft_vocab, heads.draft_vocab) \
         if heads.draft_vocab is not None else load_heads(str(tmp_path / "run" / "heads")).draft_vocab is None
+
+
+def test_traffic_windows_read_the_prompt_tail_then_the_answer_and_count_what_seq_len_cuts(caplog):
+    from tokenmaxx.training.adapt import traffic_examples
+
+    class Reader:  # three recorded rows: (prompt, answer) lengths
+        rows = [(8, 4), (8, 9), (3, 0)]
+
+        def __len__(self):
+            return len(self.rows)
+
+        def prompt_len(self, i):
+            return self.rows[i][0]
+
+        def ids(self, i):
+            return torch.arange(sum(self.rows[i])) + 100 * i
+
+    with caplog.at_level("WARNING"):
+        examples, held, keys = traffic_examples(Reader(), seq_len=10, share=0.5, context=3)
+    assert keys == [(0, 4), (1, 4)]  # the prompt's last 4 positions (lookback 3 + the last one); row 2 has no answer
+    assert [(e.ids.tolist(), e.prompt_len) for e in examples] == [(list(range(4, 12)), 4), (list(range(104, 114)), 4)]
+    assert len(held) == 2 and "cuts the answers of 1 of 3 recorded rows (3 answer tokens not trained on, 1 rows " \
+        "left without any)" in caplog.text
 
 
 # ---- online adaptation -----------------------------------------------------------------------------------------------
@@ -226,6 +252,9 @@ def test_adapt_refuses_traffic_it_cannot_use_before_any_training(tmp_path, backb
         run(prompt_context=2000)
     with pytest.raises(ValueError, match="holds 3 usable rows .* too few to adapt and score"):
         run(held_out=0.01)
+    with pytest.raises(ValueError, match=r"0 usable rows \(0 held out\) of 3 recorded: .* or raise --seq_len 3: a "
+                                         r"row reads up to 512 prompt positions \(--prompt_context\) before"):
+        run(seq_len=3)  # every prompt (5-11 tokens) is read whole first: no answer token fits
     with pytest.raises(FileNotFoundError, match="no such folder; expected a folder written by generate"):
         run(traffic=str(tmp_path / "none"))
     with pytest.raises(ValueError, match="--held_out must be in"):

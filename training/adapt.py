@@ -50,7 +50,9 @@ SCORE = "tree_tau_empirical"  # what decides shipping: the heads' expected token
 @dataclass
 class AdaptConfig:
     heads: str = field(metadata={"help": "the heads to adapt: a folder or Hub id (what the traffic was served with)"})
-    traffic: str = field(metadata={"help": "folder recorded by generate(..., record=FOLDER) / generate --record"})
+    traffic: list[str] = field(metadata={
+        "help": "folder recorded by generate(..., record=FOLDER) / generate --record; several (a service's shards or "
+                "days) are adapted to as one traffic"})
     output_dir: str = field(metadata={"help": "run folder: checkpoints/, metrics.jsonl, adapt.json, and heads/ when "
                                               "the adapted heads win"})
     replay: str | None = field(default=None, metadata={
@@ -77,14 +79,20 @@ class AdaptConfig:
     warmup: int = field(default=10, metadata={"help": "warm-up steps"})
     micro_batch_size: int = field(default=8, metadata={"help": "rows per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    seq_len: int = field(default=512, metadata={"help": "tokens per row at most (prompt tail + answer)"})
+    seq_len: int | None = field(default=None, metadata={
+        "help": "tokens per row at most (prompt tail + answer; answer tokens past it are not trained on); default: "
+                "the longest recorded row's, so every recorded answer token trains"})
     seed: int = field(default=0, metadata={"help": "seed of the replay sample and the data order"})
     save_every: int = field(default=25, metadata={"help": "checkpoint every N steps (and at the end)"})
     resume: bool = field(default=False, metadata={"help": "go on from the run folder's newest checkpoint"})
 
     def __post_init__(self):
+        if isinstance(self.traffic, (str, Path)):
+            self.traffic = [str(self.traffic)]
+        if not self.traffic:
+            raise ValueError("--traffic needs at least one recorded folder")
         for name in ("max_steps", "micro_batch_size", "grad_accum", "seq_len", "threads"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 < self.held_out < 1:
             raise ValueError(f"--held_out must be in (0, 1), got {self.held_out!r}")
@@ -96,11 +104,34 @@ class AdaptConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
+class Recordings:
+    """Recorded folders read as one recording: their rows one after another (each folder's ``TrafficReader``)."""
+
+    def __init__(self, folders: list[str]):
+        self.readers = [traffic_store.TrafficReader(folder) for folder in folders]
+        self.index = [(reader, i) for reader in self.readers for i in range(len(reader))]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def prompt_len(self, i: int) -> int:
+        reader, j = self.index[i]
+        return reader.prompt_len(j)
+
+    def ids(self, i: int) -> torch.Tensor:
+        reader, j = self.index[i]
+        return reader.ids(j)
+
+    def features(self, i: int, start: int = 0) -> torch.Tensor:
+        reader, j = self.index[i]
+        return reader.features(j, start)
+
+
 class RecordedFeatures:
     """``window(i, start)`` of recorded row i: its features from ``start`` on, one zero row for the last position
     (whose state no forward computed, and whose anchor has no target)."""
 
-    def __init__(self, reader: traffic_store.TrafficReader):
+    def __init__(self, reader: Recordings):
         self.reader = reader
 
     def window(self, key: tuple[int, int], start: int) -> torch.Tensor:
@@ -146,18 +177,35 @@ def held_out_row(ids: torch.Tensor, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
+def traffic_windows(reader, context: int) -> list[tuple[int, int, int]]:
+    """(first position read, prompt positions read, answer tokens) of each recorded row: the prompt's last
+    ``context`` + 1 positions, then the answer."""
+    windows = []
+    for i in range(len(reader)):
+        prompt_len = reader.prompt_len(i)
+        skip = window_start(prompt_len, context)
+        windows.append((skip, prompt_len - skip, len(reader.ids(i)) - prompt_len))
+    return windows
+
+
 def traffic_examples(reader, seq_len: int, share: float, context: int) -> tuple[list[Example], list[bool], list]:
     """Examples of the recorded rows (run rows 0..n-1): the prompt's last ``context`` + 1 positions and the answer,
-    cut to ``seq_len``; whether each is held out; and where each one's features are (``RecordedFeatures`` keys)."""
-    examples, held, keys = [], [], []
-    for i in range(len(reader)):
-        ids, prompt_len = reader.ids(i), reader.prompt_len(i)
-        skip = window_start(prompt_len, context)
-        if prompt_len - skip >= min(len(ids) - skip, seq_len):  # no answer token inside seq_len
+    cut to ``seq_len``; whether each is held out; and where each one's features are (``RecordedFeatures`` keys).
+    Rows whose answer ``seq_len`` cuts are counted in a warning (a longer ``--seq_len`` keeps them whole)."""
+    examples, held, keys, cut, lost = [], [], [], 0, 0
+    for i, (skip, prompt_part, answer) in enumerate(traffic_windows(reader, context)):
+        cut += prompt_part + answer > seq_len
+        lost += max(0, prompt_part + answer - max(seq_len, prompt_part))
+        if prompt_part >= seq_len or not answer:  # no answer token inside seq_len
             continue
-        examples.append(Example(len(examples), ids[skip: skip + seq_len].clone(), prompt_len - skip, TRAFFIC))
+        ids = reader.ids(i)
+        examples.append(Example(len(examples), ids[skip: skip + seq_len].clone(), prompt_part, TRAFFIC))
         held.append(held_out_row(ids, share))
         keys.append((i, skip))
+    if cut:
+        log.warning("--seq_len %d cuts the answers of %d of %d recorded rows (%d answer tokens not trained on, %d "
+                    "rows left without any): the prompt's last %d positions come first", seq_len, cut, len(reader),
+                    lost, len(reader) - len(examples), context + 1)
     return examples, held, keys
 
 
@@ -184,29 +232,36 @@ def adapt(cfg: AdaptConfig) -> dict:
     model, _ = load_backbone(backbone, dtype=cfg.dtype, device=cfg.device)
     model.requires_grad_(False)
     torch.set_num_threads(cfg.threads)
-    reader = traffic_store.TrafficReader(cfg.traffic)
+    reader = Recordings(cfg.traffic)
     prompt_context = cfg.prompt_context or heads.config.prompt_context
     context = lookback(dataclasses.replace(heads.config, prompt_context=prompt_context))  # what the run's windows hold
-    check_traffic(reader.meta, heads, model, cfg.traffic, context)
-    examples, held, keys = traffic_examples(reader, cfg.seq_len, cfg.held_out, context)
+    for folder, one in zip(cfg.traffic, reader.readers):
+        check_traffic(one.meta, heads, model, folder, context)
+    folders = " ".join(cfg.traffic)
+    seq_len = cfg.seq_len or max((p + a for _, p, a in traffic_windows(reader, context)), default=1)
+    examples, held, keys = traffic_examples(reader, seq_len, cfg.held_out, context)
     train_rows = [e.row for e, h in zip(examples, held) if not h]
     eval_rows = [e.row for e, h in zip(examples, held) if h]
     if not train_rows or not eval_rows:
-        raise ValueError(f"--traffic {cfg.traffic} holds {len(examples)} usable rows ({len(eval_rows)} held out): too "
-                         "few to adapt and score; record more generations")
+        raise ValueError(f"--traffic {folders} holds {len(examples)} usable rows ({len(eval_rows)} held out) of "
+                         f"{len(reader)} recorded: too few to adapt and score; record more generations"
+                         + (f", or raise --seq_len {seq_len}: a row reads up to {context + 1} prompt positions "
+                            "(--prompt_context) before its answer" if len(examples) < len(reader) else ""))
     recorded = RecordedFeatures(reader)
     where = {e.row: (recorded, key) for e, key in zip(examples, keys)}
     all_examples = {e.row: e for e in examples}
     digest = hashlib.sha256()
-    for path in traffic_store.shards(cfg.traffic):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    provenance = {"backbone": reader.meta["backbone"], "backbone_revision": reader.meta["backbone_revision"],
-                  "traffic": {"folder": str(cfg.traffic), "rows": len(examples), "held_out": len(eval_rows),
+    for k, folder in enumerate(cfg.traffic):
+        for path in traffic_store.shards(folder):
+            digest.update(f"{k}/{path.name}:{path.stat().st_size}".encode())
+    meta = reader.readers[0].meta
+    provenance = {"backbone": meta["backbone"], "backbone_revision": meta["backbone_revision"],
+                  "traffic": {"folders": list(cfg.traffic), "rows": len(examples), "held_out": len(eval_rows),
                               "answer_tokens": sum(len(e.ids) - e.prompt_len for e in examples)}}
     training = recorded_training(heads.config)
     if cfg.replay:
         # the split the heads' own run made (its held-out rows are scored; none of them is trained on)
-        split = {"seq_len": cfg.seq_len, "eval_fraction": 0.05, "eval_max_examples": 256, "seed": cfg.seed,
+        split = {"seq_len": seq_len, "eval_fraction": 0.05, "eval_max_examples": 256, "seed": cfg.seed,
                  **recorded_split(heads.config)}
         started = ((heads.config.extra or {}).get("init_heads") or {}).get("seen_parts") or ()  # as their run did
         replay = load_data(replay_dataset(cfg.replay, out), split["seq_len"], split["eval_fraction"],
@@ -226,7 +281,7 @@ def adapt(cfg: AdaptConfig) -> dict:
         subset = dataclasses.replace(replay, examples={r: replay.examples[r] for r in picked + scored},
                                      train=picked, eval=scored)
         key = hashlib.sha256(json.dumps([replay.fingerprint, picked, scored, context]).encode()).hexdigest()[:12]
-        cache = FeatureCache.build_or_open(out / f"replay-features-{key}", model, subset, cfg.seq_len, context,
+        cache = FeatureCache.build_or_open(out / f"replay-features-{key}", model, subset, seq_len, context,
                                            layers=heads.feature_layers)
         base = len(examples)
         for i, r in enumerate(picked + scored):
@@ -247,7 +302,7 @@ def adapt(cfg: AdaptConfig) -> dict:
     loss_vocab = training.get("loss_vocab", "full") if vocab is not None else "full"
     candidate = out / "candidate"
     train_cfg = TrainConfig(
-        data=str(cfg.traffic), output_dir=str(out), export_dir=str(candidate), seq_len=cfg.seq_len,
+        data=folders, output_dir=str(out), export_dir=str(candidate), seq_len=seq_len,
         seed=cfg.seed, backbone=backbone, device=cfg.device, dtype=str(weight.dtype).removeprefix("torch."),
         threads=cfg.threads, kind=heads.config.kind, num_heads=heads.config.num_heads,
         num_layers=heads.config.num_layers, share_lm_head=heads.config.share_lm_head,
