@@ -6,7 +6,9 @@ forward that is most of a step's cost. ``adapt`` fine-tunes the heads on it with
 ``TrainSource``: the same steps, checkpoints, resume and export), mixed with a replay sample of the heads' original
 training data so that what they knew is kept, and ships the result only if it scores better on held-out traffic:
 
-1. traffic    every recorded row; a fixed share held out by a hash of its tokens (stable as the recording grows)
+1. traffic    every row of every --traffic folder, the prompt's last positions the heads read and the whole answer
+              (``--seq_len`` by default fits the longest); a fixed share held out by a hash of its tokens (stable
+              as the recording grows)
 2. replay     rows of ``--replay`` (a self-distilled dataset): a seeded sample of its training rows, and of the rows
               the heads' own run held out (the split it recorded); their features computed once by the backbone and
               cached in the run folder (``features.FeatureCache``)
