@@ -177,10 +177,10 @@ def rag_texts(rng: random.Random) -> list[str]:
     by_title: dict[str, list[int]] = {}
     for i, (title, _, _) in enumerate(passages):
         by_title.setdefault(title, []).append(i)
+    others_of = {title: [j for j in range(len(passages)) if passages[j][0] != title] for title in by_title}
     texts = []
     for i, (title, heading, _) in enumerate(passages):
-        own = [j for j in by_title[title] if j != i]
-        others = [j for j in range(len(passages)) if passages[j][0] != title]
+        own, others = [j for j in by_title[title] if j != i], others_of[title]
         if len(own) < RAG_OWN or len(others) < RAG_OTHERS:
             continue
         chosen = [i, *rng.sample(own, RAG_OWN), *rng.sample(others, RAG_OTHERS)]

@@ -27,7 +27,7 @@ def _check_store(folder, model, heads, expected: list[tuple[list[int], list[int]
     for i, (prompt, new) in enumerate(expected):
         full = torch.tensor([prompt + new])
         keep = max(0, len(prompt) - record.PROMPT_KEPT)  # the prompt's last PROMPT_KEPT positions
-        assert reader.ids(i).tolist() == (prompt + new)[keep:]
+        assert reader.ids(i).tolist() == (prompt + new)[keep:] and reader.row_len(i) == len(prompt + new) - keep
         assert reader.prompt_len(i) == len(prompt) - keep
         with torch.no_grad():
             states = backbone_features(model(full, output_hidden_states=True).hidden_states, heads.feature_layers)[0]
@@ -189,6 +189,9 @@ def test_traffic_windows_read_the_prompt_tail_then_the_answer_and_count_what_seq
 
         def prompt_len(self, i):
             return self.rows[i][0]
+
+        def row_len(self, i):
+            return sum(self.rows[i])
 
         def ids(self, i):
             return torch.arange(sum(self.rows[i])) + 100 * i

@@ -120,6 +120,10 @@ class Recordings:
         reader, j = self.index[i]
         return reader.prompt_len(j)
 
+    def row_len(self, i: int) -> int:
+        reader, j = self.index[i]
+        return reader.row_len(j)
+
     def ids(self, i: int) -> torch.Tensor:
         reader, j = self.index[i]
         return reader.ids(j)
@@ -186,7 +190,7 @@ def traffic_windows(reader, context: int) -> list[tuple[int, int, int]]:
     for i in range(len(reader)):
         prompt_len = reader.prompt_len(i)
         skip = window_start(prompt_len, context)
-        windows.append((skip, prompt_len - skip, len(reader.ids(i)) - prompt_len))
+        windows.append((skip, prompt_len - skip, reader.row_len(i) - prompt_len))
     return windows
 
 

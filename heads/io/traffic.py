@@ -150,6 +150,10 @@ class TrafficReader:
     def prompt_len(self, i: int) -> int:
         return self.index[i][3]
 
+    def row_len(self, i: int) -> int:
+        """Tokens of row i (prompt and answer), from the index: nothing is read."""
+        return self.index[i][2] - self.index[i][1]
+
     def sampled(self, i: int) -> bool:
         return self.index[i][4]
 
