@@ -176,6 +176,16 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
     assert extra["metrics_before"] == json.loads((tmp_path / "run" / "metrics_before.json").read_text())
     assert torch.equal(load_heads(str(tmp_path / "run" / "heads")).draft_vocab, heads.draft_vocab) \
         if heads.draft_vocab is not None else load_heads(str(tmp_path / "run" / "heads")).draft_vocab is None
+    # adapted again (tomorrow's traffic): the same replay rows are held out as the first adapt held out, which
+    # neither adapt trained on, so the adapted heads score there as the first adapt reported
+    again = adapt(AdaptConfig(heads=str(tmp_path / "run" / "heads"), traffic=[str(f) for f in folders],
+                              output_dir=str(tmp_path / "run-2"), replay=str(replay), replay_share=0.25,
+                              replay_eval=8, dtype="float32", max_steps=2, lr=1e-4, warmup=1, micro_batch_size=8,
+                              seq_len=None if prompt_context else 48, held_out=0.2, prompt_context=prompt_context))
+    assert again["rows"]["replay_held_out"] == report["rows"]["replay_held_out"]
+    for part in ("replay", "traffic"):
+        assert again["before"][part]["tree_tau_empirical"] == pytest.approx(
+            report["after"][part]["tree_tau_empirical"], abs=1e-4), (part, again, report)
 
 
 def test_traffic_windows_read_the_prompt_tail_then_the_answer_and_count_what_seq_len_cuts(caplog):

@@ -39,13 +39,14 @@ from tokenmaxx.heads.io import traffic as traffic_store
 
 from .batches import Example, SelfDistilledData, load_data, window_start
 from .checkpoints import atomic_write_text
-from .evaluation import evaluate_heads, recorded_split, recorded_training
+from .evaluation import SPLIT_FIELDS, evaluate_heads, recorded_split, recorded_training
 from .features import FeatureCache, _pad_windows
 from .train_config import DTYPES, TrainConfig, default_threads
 from .trainer import TrainSource, train
 
 log = logging.getLogger(__name__)
 TRAFFIC, REPLAY = "traffic", "replay"  # the categories of the run's rows
+REPLAY_SPLIT = "replay_split"  # config.extra of adapted heads: the replay split of the run they descend from
 SCORE = "tree_tau_empirical"  # what decides shipping: the heads' expected tokens a round on held-out traffic
 
 
@@ -265,11 +266,8 @@ def adapt(cfg: AdaptConfig) -> dict:
                   "traffic": {"folders": list(cfg.traffic), "rows": len(examples), "held_out": len(eval_rows),
                               "answer_tokens": sum(len(e.ids) - e.prompt_len for e in examples)}}
     training = recorded_training(heads.config)
+    split, started = replay_split(heads.config, seq_len, cfg.seed)
     if cfg.replay:
-        # the split the heads' own run made (its held-out rows are scored; none of them is trained on)
-        split = {"seq_len": seq_len, "eval_fraction": 0.05, "eval_max_examples": 256, "seed": cfg.seed,
-                 **recorded_split(heads.config)}
-        started = ((heads.config.extra or {}).get("init_heads") or {}).get("seen_parts") or ()  # as their run did
         replay = load_data(replay_dataset(cfg.replay, out), split["seq_len"], split["eval_fraction"],
                            split["eval_max_examples"], split["seed"], seen_parts=started)
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -322,7 +320,8 @@ def adapt(cfg: AdaptConfig) -> dict:
     # scored before training: the heads as they serve now (their own prompt context), what the adapted ones must beat
     served = functools.partial(evaluate_heads, heads, model, data, micro_batch_size=cfg.micro_batch_size,
                                features=features)
-    result = train(train_cfg, model=model, source=TrainSource(data, features, vocab, score_before=served))
+    result = train(train_cfg, model=model, source=TrainSource(data, features, vocab, score_before=served,
+                                                              extra={REPLAY_SPLIT: {**split, "seen_parts": started}}))
     report = _report(cfg, result, data)
     shipped = out / "heads"
     if report["shipped"]:
@@ -333,6 +332,21 @@ def adapt(cfg: AdaptConfig) -> dict:
         shutil.rmtree(candidate, ignore_errors=True)
     atomic_write_text(out / "adapt.json", json.dumps(report, indent=2) + "\n")
     return report
+
+
+def replay_split(config, seq_len: int, seed: int) -> tuple[dict, list[str]]:
+    """How the replay data splits for heads of ``config``: the split settings (``SPLIT_FIELDS``) and the parts their
+    first training run started from (``seen_parts``), so that the replay rows held out are the ones that run held
+    out, which no run since trained on. Adapted heads carry it forward (``extra[REPLAY_SPLIT]``): adapting them
+    again scores the same replay rows (their own record describes the adapt run, whose rows were traffic)."""
+    extra = config.extra if isinstance(config.extra, dict) else {}
+    carried = extra.get(REPLAY_SPLIT)
+    if isinstance(carried, dict) and all(name in carried for name in SPLIT_FIELDS):
+        return {name: carried[name] for name in SPLIT_FIELDS}, list(carried.get("seen_parts") or ())
+    split = {"seq_len": seq_len, "eval_fraction": 0.05, "eval_max_examples": 256, "seed": seed,
+             **recorded_split(config)}
+    init = extra.get("init_heads") if isinstance(extra.get("init_heads"), dict) else {}
+    return split, list(init.get("seen_parts") or ())  # as their run did
 
 
 def _scores(metrics: dict) -> dict:

@@ -66,6 +66,7 @@ class TrainSource:
     features: object
     vocab: torch.Tensor | None = None
     score_before: Callable[[], dict] | None = None
+    extra: dict = field(default_factory=dict)  # recorded in the exported heads' config.extra beside the run's own
 
 
 @dataclass
@@ -453,6 +454,8 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
              "seen_parts": sorted(set(seen) | set(part_digests(data.provenance)))}
     if init is not None:
         extra["init_heads"] = init_heads_record(init, cfg.init_heads, seen)
+    if source is not None:
+        extra.update(source.extra)
     if result.metrics_before:
         extra["metrics_before"] = result.metrics_before
     if vocab is not None:
