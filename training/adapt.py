@@ -335,10 +335,11 @@ def adapt(cfg: AdaptConfig) -> dict:
 
 
 def replay_split(config, seq_len: int, seed: int) -> tuple[dict, list[str]]:
-    """How the replay data splits for heads of ``config``: the split settings (``SPLIT_FIELDS``) and the parts their
-    first training run started from (``seen_parts``), so that the replay rows held out are the ones that run held
-    out, which no run since trained on. Adapted heads carry it forward (``extra[REPLAY_SPLIT]``): adapting them
-    again scores the same replay rows (their own record describes the adapt run, whose rows were traffic)."""
+    """How the replay data splits for heads of ``config``: the split settings (``SPLIT_FIELDS``) of the training run
+    they descend from and the parts that run's init heads had seen (``seen_parts``), so that the replay rows held out
+    are the ones that run held out, which no run since trained on. Adapted heads carry it forward
+    (``extra[REPLAY_SPLIT]``): adapting them again scores the same replay rows (their own record describes the adapt
+    run, whose rows were traffic)."""
     extra = config.extra if isinstance(config.extra, dict) else {}
     carried = extra.get(REPLAY_SPLIT)
     if isinstance(carried, dict) and all(name in carried for name in SPLIT_FIELDS):
