@@ -8,6 +8,7 @@
         --out news.jsonl
     python scripts/traffic_prompts.py --shape question --count 320 --exclude ../shared/bench --out questions.jsonl
     python scripts/traffic_prompts.py --shape rag --count 400 --exclude ../shared/bench --out rag.jsonl
+    python scripts/traffic_prompts.py --shape math --count 600 --exclude ../shared/bench --out math.jsonl
 
 translate: "Translate <Language> to English: <text>" over the sentences of installed packages' gettext catalogs
 (``--packages``, located and never imported: ``pip install --no-deps django==5.2.9 wagtail==8.0.1
@@ -18,8 +19,11 @@ news reports of gensim's Lee corpus (``--source news``: 350 ABC news articles in
 --no-deps gensim==4.4.0``). question: the short standalone questions that open ShareGPT conversations. rag:
 retrieval-augmented questions: five 100-word Wikipedia passages ("<title> <text>" a line: the one a question is
 about, two more of its article, two of others, shuffled) and a question about the first passage's article section,
-over the 106 articles of gensim's Wikipedia sample (its test data; wikitext read with ``mwparserfromhell``). Seeded;
-records equal to an --exclude prompt are dropped. Writes {"prompt": ...} lines.
+over the 106 articles of gensim's Wikipedia sample (its test data; wikitext read with ``mwparserfromhell``). math:
+math questions in words: ShareGPT's word problems (a user's turn of 60-700 characters, two numbers or more, a quantity
+asked, no code) and the problems of mathgenerator's generators that read as words (four words outside the formulas; at
+most ten distinct a generator; ``pip install mathgenerator==1.5.0``). Seeded; records equal to an --exclude prompt are
+dropped. Writes {"prompt": ...} lines.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from tokenmaxx.training.data import load_exclusions, normalize, read_json_array,
 from tokenmaxx.training.prompt_mix import SUMMARY_ASKS, _clean, _prose, language
 from tokenmaxx.training.text_mix import CATALOG_LOCALES, read_catalogs
 
-SHAPES = ("translate", "summarize", "question", "rag")
+SHAPES = ("translate", "summarize", "question", "rag", "math")
 SOURCES = ("sharegpt", "news")
 GERMAN = re.compile(r"\b(und|der|die|das|nicht|ist|mit|für|ein|eine|auf|sich|auch|werden)\b")
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-ZÄÖÜ„\"])")
@@ -53,6 +57,13 @@ RAG_OWN, RAG_OTHERS = 2, 2  # passages beside the asked one: more of its article
 QUESTION = re.compile(r"^(who|what|when|where|which|why|how (many|much|long|old|far|tall|big)|is|are|was|were|did|does"
                       r"|do) ", re.I)
 MARKUP = re.compile(r"[`{}<>#*|=_\\]|http")  # code, markup or links: not prose
+QUANTITY_ASKED = re.compile(r"\b(how (many|much|long|far|old)|in total|altogether|left over"
+                            r"|per (hour|day|week|month|year|person))\b", re.I)
+CODE = re.compile(r"[{}<>=;#`|\\]|\bdef |\bimport |http")
+NUMBER = re.compile(r"\d+(?:[.,]\d+)?")
+WORD = re.compile(r"[A-Za-z]{2,}")
+FORMULA = re.compile(r"\$[^$]*\$")
+MATH_DRAWS = 10  # distinct problems a mathgenerator generator gives at most; one that gives under 3 is dropped
 CONTEXTUAL = re.compile(r"\b(this|that|these|those|above|below|previous|step|it|me|my|i|we|our|code|script|python"
                         r"|function)\b", re.I)  # refers to something before it, or not a fact
 
@@ -218,6 +229,55 @@ def question_texts() -> list[str]:
     return sorted(texts)
 
 
+def word_problem_texts() -> list[str]:
+    """ShareGPT users' turns that pose a word problem: 60-700 characters, two numbers or more, a quantity asked (how
+    many, how much, in total, per day...), no code or markup, English, ending in a question mark or a full stop."""
+    texts = set()
+    for record in read_json_array(sharegpt_path()):
+        for turn in record.get("conversations", []):
+            text = " ".join(str(turn.get("value", "")).split())
+            if (turn.get("from") == "human" and 60 <= len(text) <= 700 and len(NUMBER.findall(text)) >= 2
+                    and QUANTITY_ASKED.search(text) and not CODE.search(text) and text.endswith(("?", "."))
+                    and language(text) == "en"):
+                texts.add(text)
+    return sorted(texts)
+
+
+def generated_math_texts(seed: int, draws: int = MATH_DRAWS) -> list[str]:
+    """The problems of mathgenerator's generators that read as words (four words of two letters or more outside the
+    ``$...$`` formulas; a draw that raises counts as a try): up to ``draws`` distinct ones a generator in ``4 * draws`` tries, drawn from ``random``
+    seeded with ``seed`` (mathgenerator draws from the module's state, restored after); a generator that gives under
+    3 (a fixed text) is dropped."""
+    try:
+        import mathgenerator
+    except ImportError:
+        raise ValueError("--shape math draws problems from mathgenerator: pip install mathgenerator==1.5.0") from None
+    state = random.getstate()
+    random.seed(seed)
+    texts = []
+    try:
+        for generator_id, *_ in mathgenerator.getGenList():
+            got = []
+            for _ in range(4 * draws):
+                try:
+                    problem, _answer = mathgenerator.genById(generator_id)
+                except Exception:  # noqa: BLE001 - some draws of some generators fail (1.5.0); a failed try
+                    continue
+                text = " ".join(str(problem).split())
+                if len(WORD.findall(FORMULA.sub(" ", text))) >= 4 and text not in got:
+                    got.append(text)
+                    if len(got) == draws:
+                        break
+            texts += got if len(got) >= 3 else []
+    finally:
+        random.setstate(state)
+    return texts
+
+
+def math_texts(seed: int) -> list[str]:
+    return sorted(set(word_problem_texts()) | set(generated_math_texts(seed)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_flags(TrafficPromptArgs, argv, description=__doc__.split("\n\n")[0])
     rng = random.Random(args.seed)
@@ -227,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         texts = question_texts()
     elif args.shape == "rag":
         texts = rag_texts(rng)
+    elif args.shape == "math":
+        texts = math_texts(args.seed)
     else:
         texts = summarize_texts(rng, args.source)
     excluded = load_exclusions(args.exclude)
@@ -240,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                       "languages": ([args.language] if args.language else sorted(CATALOG_LOCALES))
                       if args.shape == "translate" else ["English"],
                       "source": {"translate": args.packages, "summarize": args.source,
-                                 "rag": "gensim Wikipedia sample"}.get(args.shape, "sharegpt")}))
+                                 "rag": "gensim Wikipedia sample",
+                                 "math": "sharegpt and mathgenerator"}.get(args.shape, "sharegpt")}))
     return 0
 
 

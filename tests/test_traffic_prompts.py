@@ -1,12 +1,13 @@
 """Traffic prompts (scripts/traffic_prompts.py): one source language's sentences from installed packages' catalogs
 (Django's ``locale/`` and Plone's ``locales/`` layouts) and German ShareGPT paragraphs cut into sentences; news
 reports from gensim's test data, read in its cp1252 bytes; retrieval-augmented prompts over the Wikipedia sample
-there (section prose cut into passages, references and non-prose sections dropped); bad flags refused before any
-work."""
+there (section prose cut into passages, references and non-prose sections dropped); math word problems from
+ShareGPT and worded problems from mathgenerator's generators, seeded; bad flags refused before any work."""
 
 import bz2
 import json
 import random
+import sys
 
 import pytest
 
@@ -134,3 +135,50 @@ def test_rag_prompts_put_the_asked_passage_among_its_articles_and_others(package
     eras = [t for t in texts if "the CEO Era of Alaska" in t.split("\n")[-1]]  # acronyms keep their capitals
     history = [t for t in texts if "the history of Alaska" in t.split("\n")[-1]]
     assert len(eras) == 1 and "era0" in eras[0] and len(history) == 1 and "hist0" in history[0]
+
+
+def test_math_prompts_are_word_problems_and_worded_generator_problems(monkeypatch):
+    def turn(text, who="human"):
+        return {"conversations": [{"from": who, "value": text}]}
+    records = [turn("Tom buys 4 boxes with 12 pencils in each box. How many pencils does he have in total?"),
+               turn("Sam earns 30 dollars a day for 5 days. How much does he earn altogether, in   total?"),
+               turn("How many ways are there?"),  # too short, one number at most
+               turn("Write a loop `for i in range(10)` and tell me how many times it runs, from 1 to 10."),  # code
+               turn("A train goes 60 km in 2 hours. How far does it go per hour?", who="gpt"),  # not a user's
+               turn("I have 3 apples and 5 pears on 2 plates. Tell me a story about them, please.")]  # nothing asked
+    monkeypatch.setattr(traffic_prompts, "read_json_array", lambda path: iter(records))
+    monkeypatch.setattr(traffic_prompts, "sharegpt_path", lambda: "sharegpt.json")
+    assert traffic_prompts.word_problem_texts() == [
+        "Sam earns 30 dollars a day for 5 days. How much does he earn altogether, in total?",
+        "Tom buys 4 boxes with 12 pencils in each box. How many pencils does he have in total?"]
+
+    def worded(rng):
+        return f"Volume of a cube with side ${rng.randint(1, 99)}$ m is", None
+
+    def formula(rng):
+        return f"${rng.randint(1, 99)} + {rng.randint(1, 99)} = $", None  # no words: never a prompt
+
+    def fixed(rng):
+        return "The Fibonacci Series of the first ${n}$ numbers is ?", None  # one text only: dropped
+
+    def broken(rng):
+        if rng.random() < 0.5:
+            raise IndexError("string index out of range")
+        return f"Find the prime factors of the number ${rng.randint(100, 999)}$ please", None
+
+    gens = [worded, formula, fixed, broken]
+    fake = type(sys)("mathgenerator")
+    fake.getGenList = lambda: [[i, f.__name__] for i, f in enumerate(gens)]
+    fake.genById = lambda i: gens[i](random)  # draws from the module's random, as mathgenerator does
+    monkeypatch.setitem(sys.modules, "mathgenerator", fake)
+    random.seed(123)
+    after_seed = random.random()
+    random.seed(123)
+    texts = traffic_prompts.generated_math_texts(seed=7, draws=5)
+    assert random.random() == after_seed  # the caller's random state is left as it was
+    assert texts == traffic_prompts.generated_math_texts(seed=7, draws=5)  # seeded
+    assert len(texts) == 10 and len(set(texts)) == 10
+    assert sum(t.startswith("Volume of a cube") for t in texts) == 5 and sum("prime factors" in t for t in texts) == 5
+    monkeypatch.setitem(sys.modules, "mathgenerator", None)  # not installed
+    with pytest.raises(ValueError, match="pip install mathgenerator"):
+        traffic_prompts.generated_math_texts(seed=7)
