@@ -18,8 +18,7 @@ exactly what they did (the same attention function and the same masks, ``sdpa_ma
 prompt-lookup generation). On CUDA the keyword is never passed (there it would be slower).
 
 The same function serves the sequential heads' training-time unroll (keyword ``tokenmaxx_unrolled``, computed by
-``unrolled_attention``) rather than SDPA over every depth's keys through a dense mask, whose CPU backward was a large
-share of a training step (docs/benchmarks.md).
+``unrolled_attention``): each depth's queries attend to the depth-1 causal prefix and their own chain only.
 """
 
 from __future__ import annotations
@@ -44,35 +43,30 @@ def unrolled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     query [B, Hq, M, D]: depth d at M anchors; key/value [B, Hkv, T + (d-1)*M, D]: the depth-1 entries of all T
     positions, then those of depths 2..d (M each, one per anchor, in the cache's order). A query sees the depth-1 keys
     that ``visible`` [B, M, T] allows (its anchor's causal prefix) and, at each depth 2..d, the key of its own anchor
-    (its chain). ``visible`` None: the anchors are all T positions (M = T) and the prefix is the causal one. The
-    scores are matmuls in the inputs' dtype, the softmax in fp32 (transformers' eager attention's numerics).
-    Returns [B, M, Hq, D] like transformers' attention functions.
+    (its chain). ``visible`` None: the anchors are all T positions (M = T) and the prefix is the causal one.
+    One fused SDPA call (causal at depth 1, else a boolean mask over the prefix and the chains), which neither keeps
+    the [B, Hq, M, T] scores for the backward nor copies them to fp32 for the softmax. On the CPU SDPA shares the
+    key/value heads of grouped-query layers (``enable_gqa``); elsewhere, where a mask with ``enable_gqa`` takes the
+    slow math kernel, they are copied. Returns [B, M, Hq, D] like transformers' attention functions.
     """
-    bsz, heads, anchors, dim = query.shape
+    anchors = query.shape[2]
     seq = anchors if visible is None else visible.shape[-1]
     if key.shape[2] < seq or (key.shape[2] - seq) % anchors:
         raise ValueError(f"unrolled attention: {key.shape[2]} keys are not {seq} depth-1 entries and whole depths of "
                          f"{anchors} anchors")
-    groups = heads // key.shape[1]
-    if groups > 1:  # grouped-query layers: each key/value head serves `groups` query heads
+    groups = query.shape[1] // key.shape[1]
+    share = groups > 1 and query.device.type == "cpu"
+    if groups > 1 and not share:  # grouped-query layers: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    scale = dim ** -0.5 if scaling is None else scaling
+    if visible is None and key.shape[2] == seq:  # depth 1: plain causal attention
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=share)
+        return out.transpose(1, 2).contiguous()
     if visible is None:
-        visible = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
-    else:
-        visible = visible[:, None]  # [B, 1, M, T]
-    first = torch.matmul(query, key[:, :, :seq].transpose(-1, -2)) * scale  # [B, H, M, T]
-    first = first.masked_fill(~visible, torch.finfo(first.dtype).min)
-    if key.shape[2] == seq:  # depth 1: plain causal attention
-        probs = first.float().softmax(-1).to(query.dtype)
-        return torch.matmul(probs, value).transpose(1, 2).contiguous()
+        visible = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()[None]  # [1, M, T]
     depths = (key.shape[2] - seq) // anchors + 1
-    chain_k = key[:, :, seq:].unflatten(2, (depths - 1, anchors))  # [B, H, d-1, M, D]
-    chain_v = value[:, :, seq:].unflatten(2, (depths - 1, anchors))
-    own = torch.einsum("bhtx,bhjtx->bhtj", query, chain_k) * scale  # [B, H, M, d-1]
-    probs = torch.cat([first, own], dim=-1).float().softmax(-1).to(query.dtype)  # [B, H, M, T+d-1]
-    out = torch.matmul(probs[..., :seq], value[:, :, :seq])  # [B, H, M, D]
-    out = out + torch.einsum("bhtj,bhjtx->bhtx", probs[..., seq:], chain_v)
+    chains = torch.eye(anchors, dtype=torch.bool, device=query.device).repeat(1, depths - 1)  # [M, (d-1)*M]
+    mask = torch.cat([visible, chains.expand(visible.shape[0], -1, -1)], dim=-1)[:, None]  # [B or 1, 1, M, keys]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=share)
     return out.transpose(1, 2).contiguous()
 
 

@@ -83,8 +83,8 @@ def test_training_states_at_selected_anchors_equal_the_whole_unroll(make):
     cut, cut_grads = run(heads.training_states(hidden, ids, embed, selected))
     assert cut.shape == whole.shape
     assert torch.allclose(cut, whole, atol=1e-5)
-    for a, b in zip(cut_grads, whole_grads):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    for a, b in zip(cut_grads, whole_grads):  # gradients up to ~50: fp32 sums in another order differ by ~3e-5
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def _bias(visible):
