@@ -36,6 +36,12 @@ SHARE_KV_HEADS = "tokenmaxx_share_kv_heads"  # forward keyword: this masked call
 UNROLLED = "tokenmaxx_unrolled"  # forward keyword: a depth of the training unroll (True or visible: unrolled_attention)
 
 
+def sdpa_shares_kv_heads(device: torch.device) -> bool:
+    """Whether SDPA with a mask should broadcast grouped-query key/value heads itself (``enable_gqa``) on ``device``:
+    on the CPU yes; on CUDA a mask with ``enable_gqa`` falls back to the math kernel, so the heads are copied."""
+    return device.type == "cpu"
+
+
 def unrolled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        scaling: float | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one depth d of the sequential heads' training unroll (``SequentialHeads.unrolled_states``).
@@ -55,7 +61,7 @@ def unrolled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         raise ValueError(f"unrolled attention: {key.shape[2]} keys are not {seq} depth-1 entries and whole depths of "
                          f"{anchors} anchors")
     groups = query.shape[1] // key.shape[1]
-    share = groups > 1 and query.device.type == "cpu"
+    share = groups > 1 and sdpa_shares_kv_heads(query.device)
     if groups > 1 and not share:  # grouped-query layers: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     if visible is None and key.shape[2] == seq:  # depth 1: plain causal attention

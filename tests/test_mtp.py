@@ -87,6 +87,31 @@ def test_training_states_at_selected_anchors_equal_the_whole_unroll(make):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["shared-kv-heads", "copied-kv-heads"])
+@pytest.mark.parametrize("anchored", [True, False], ids=["anchors", "every-position"])
+def test_unrolled_attention_is_prefix_and_own_chain_attention(share, anchored, monkeypatch):
+    """One depth of the unroll == softmax attention over an explicit mask (the anchor's causal prefix of depth-1 keys,
+    then the anchor's own key at each deeper depth), in fp64, for grouped-query heads shared by SDPA (the CPU) or
+    copied (other devices), at selected anchors and at every position."""
+    from tokenmaxx.heads import attention
+    monkeypatch.setattr(attention, "sdpa_shares_kv_heads", lambda device: share)
+    gen = torch.Generator().manual_seed(4)
+    bsz, heads, kv_heads, dim, seq, depth = 2, 4, 2, 8, 9, 3
+    where = torch.tensor([[2, 5, 6, 8], [0, 1, 7, 7]]) if anchored else torch.arange(seq)[None].expand(bsz, seq)
+    anchors = where.shape[1]
+    query = torch.randn(bsz, heads, anchors, dim, generator=gen, dtype=torch.float64)
+    key, value = (torch.randn(bsz, kv_heads, seq + (depth - 1) * anchors, dim, generator=gen, dtype=torch.float64)
+                  for _ in range(2))
+    visible = torch.arange(seq)[None, None] <= where[..., None]  # [B, M, T]
+    out = attention.unrolled_attention(query, key, value, None, visible if anchored else None)
+    mask = torch.cat([visible, torch.eye(anchors, dtype=torch.bool).repeat(1, depth - 1).expand(bsz, -1, -1)], -1)
+    k, v = key.repeat_interleave(2, 1), value.repeat_interleave(2, 1)
+    scores = (query @ k.transpose(-1, -2) / math.sqrt(dim)).masked_fill(~mask[:, None], -math.inf)
+    assert torch.allclose(out, (scores.softmax(-1) @ v).transpose(1, 2), atol=1e-10)
+    with pytest.raises(ValueError, match="are not 9 depth-1 entries"):
+        attention.unrolled_attention(query, key[:, :, :-1], value[:, :, :-1], None, visible)
+
+
 def _bias(visible):
     bias = torch.zeros(1, 1, *visible.shape)
     return bias.masked_fill(~visible, torch.finfo(bias.dtype).min)
