@@ -53,6 +53,7 @@ class Prefill:
     hidden: torch.Tensor  # [P, F] backbone states of the prompt as the drafter reads them (``Drafter.feature_layers``;
     # default: [P, H] final-normed last states)
     root: int  # the first new token (chosen from the last prompt position)
+    logits: torch.Tensor | None = None  # [V] the backbone's logits at the last prompt position (what chose root)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Outcome:
     emitted: list[int]  # what the round added to the output (``tokens`` cut at EOS / max_new_tokens)
     path: list[int]  # ``nodes`` as a list
     token_ids: torch.Tensor  # [m+1] long: ``tokens`` on the backbone's device (its last: the next round's root)
+    logits: torch.Tensor | None = None  # [N, V] the verify's logits at the draft's N nodes (a view; ``logits[nodes]``
+    # chose ``tokens``)
 
 
 class Eager:

@@ -260,7 +260,7 @@ def decode(model, drafters: Sequence, input_ids: torch.Tensor, max_new_tokens: i
     width, total = hidden.shape[1], input_ids.shape[1]
     for b, drafter in enumerate(drafters):
         drafter.start(Prefill(input_ids=input_ids[b, total - lengths[b]:], hidden=hidden[b, width - lengths[b]:],
-                              root=roots[b]))
+                              root=roots[b], logits=last[b]))
     stats.prefill_seconds = clock(device) - start
     if streamer is not None:
         streamer.put(torch.tensor(roots, device="cpu"))
@@ -310,7 +310,7 @@ def decode(model, drafters: Sequence, input_ids: torch.Tensor, max_new_tokens: i
             emitted = _emitted(accepted.tokens, news[row] - len(new_tokens[row]), eos)
             outcomes.append(Outcome(draft=draft, nodes=accepted.nodes, tokens=accepted.tokens,
                                     hidden=verified.hidden[i, accepted.nodes], emitted=emitted, path=accepted.path,
-                                    token_ids=accepted.token_ids))
+                                    token_ids=accepted.token_ids, logits=verified.logits[i]))
             drafters[row].observe(outcomes[-1])
             new_tokens[row].extend(emitted)
             if streamer is not None:

@@ -30,9 +30,16 @@ def _check_store(folder, model, heads, expected: list[tuple[list[int], list[int]
         assert reader.ids(i).tolist() == (prompt + new)[keep:] and reader.row_len(i) == len(prompt + new) - keep
         assert reader.prompt_len(i) == len(prompt) - keep
         with torch.no_grad():
-            states = backbone_features(model(full, output_hidden_states=True).hidden_states, heads.feature_layers)[0]
+            out = model(full, output_hidden_states=True)
+            states = backbone_features(out.hidden_states, heads.feature_layers)[0]
         torch.testing.assert_close(reader.features(i), states[keep:-1], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(reader.features(i, 2), states[keep + 2:-1], atol=2e-5, rtol=1e-4)
+        # the top-k at each answer position: the plain forward's log-probabilities there, most likely first
+        ids, logprobs = reader.topk(i)
+        reference = out.logits[0, len(prompt) - 1:-1].float().log_softmax(-1)  # [new, V]
+        assert ids.shape == logprobs.shape == (len(new), record.TOPK) and ids.dtype == torch.int32
+        torch.testing.assert_close(logprobs, reference.topk(record.TOPK).values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logprobs, reference.gather(1, ids.long()), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind,draft", [("eagle3", "hybrid"), ("eagle3", "heads"), ("mtp", "hybrid")])
@@ -98,6 +105,28 @@ def test_a_killed_writer_leaves_whole_shards_only(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != traffic.META) == \
         [p.name for p in traffic.shards(tmp_path)]
     assert len(traffic.TrafficReader(tmp_path)) == 1
+
+
+def test_rows_without_top_k_still_read_beside_rows_with_it(tmp_path):
+    """Shards written before the top-k was recorded (or by a caller that has none) read as before, beside new ones;
+    a row's top-k must cover exactly its answer positions."""
+    features = torch.randn(7, 3)
+    old = traffic.TrafficRow(ids=torch.arange(8), prompt_len=3, features=features)
+    new = traffic.TrafficRow(ids=torch.arange(6), prompt_len=2, features=features[:5],
+                             topk_ids=torch.arange(8, dtype=torch.int32).view(4, 2),
+                             topk_logprobs=-torch.arange(8.0).view(4, 2))
+    folder = traffic.open_store(tmp_path, {"format": traffic.FORMAT, **dict.fromkeys(traffic.IDENTITY), "lookback": 4})
+    traffic.append(folder, [old])
+    traffic.append(folder, [new, new])
+    reader = traffic.TrafficReader(folder)
+    assert reader.topk(0) is None and reader.ids(0).tolist() == list(range(8))
+    for i in (1, 2):
+        ids, logprobs = reader.topk(i)
+        assert ids.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]] and logprobs[3].tolist() == [-6.0, -7.0]
+        torch.testing.assert_close(reader.features(i), features[:5])
+    with pytest.raises(ValueError, match="4 answer positions needs top-k"):
+        traffic.TrafficRow(ids=torch.arange(6), prompt_len=2, features=features[:5],
+                           topk_ids=torch.zeros(3, 2, dtype=torch.int32), topk_logprobs=torch.zeros(3, 2))
 
 
 def test_bad_record_folders_are_refused_before_any_work(tmp_path):

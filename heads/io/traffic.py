@@ -13,7 +13,10 @@ process leaves only whole shards, and several processes may record into one fold
                                           prompt_lens [n] (the prompt tokens kept in each row), features
                                           [sum (T - 1), F] (the backbone's states at every position but each row's
                                           last, whose state no forward computed), sampled [n] (1: the row's tokens
-                                          were sampled, not greedy)
+                                          were sampled, not greedy); where recorded (``topk`` in the shard's
+                                          metadata), topk_ids and topk_logprobs [sum (T - prompt_len), k]: the
+                                          backbone's k most likely tokens and their log-probabilities at each row's
+                                          answer positions (the prompt's last on), its own distribution
 
 A row keeps the prompt's last ``lookback + 1`` tokens (training reads at most that much before the answer:
 ``window_start``), so a long prompt costs no more than that.
@@ -49,16 +52,27 @@ class TrafficRow:
     prompt_len: int
     features: torch.Tensor
     sampled: bool = False
+    topk_ids: torch.Tensor | None = None  # [T - prompt_len, k] int32: the backbone's top tokens at answer positions
+    topk_logprobs: torch.Tensor | None = None  # [T - prompt_len, k] their log-probabilities
 
     def cut(self, lookback: int) -> "TrafficRow":
         """The row from ``lookback`` positions before the prompt's last on (what heads of that lookback read)."""
         skip = max(0, self.prompt_len - 1 - lookback)
-        return TrafficRow(self.ids[skip:], self.prompt_len - skip, self.features[skip:], self.sampled)
+        return TrafficRow(self.ids[skip:], self.prompt_len - skip, self.features[skip:], self.sampled,
+                          self.topk_ids, self.topk_logprobs)
 
     def __post_init__(self):
         if self.features.shape[0] != self.ids.shape[0] - 1:
             raise ValueError(f"a traffic row of {self.ids.shape[0]} tokens needs features at its first "
                              f"{self.ids.shape[0] - 1} positions, got {self.features.shape[0]}")
+        answer = self.ids.shape[0] - self.prompt_len
+        if (self.topk_ids is None) != (self.topk_logprobs is None):
+            raise ValueError("a traffic row's top-k needs both topk_ids and topk_logprobs, or neither")
+        if self.topk_ids is not None and (self.topk_ids.shape[0] != answer
+                                          or self.topk_logprobs.shape != self.topk_ids.shape):
+            raise ValueError(f"a traffic row with {answer} answer positions needs top-k [{answer}, k] ids and "
+                             f"log-probabilities, got {tuple(self.topk_ids.shape)} and "
+                             f"{tuple(self.topk_logprobs.shape)}")
 
 
 def store_meta(model, feature_layers, feature_size: int, dtype: torch.dtype, lookback: int) -> dict:
@@ -113,8 +127,14 @@ def append(folder: str | Path, rows: list[TrafficRow]) -> Path | None:
                "prompt_lens": torch.tensor([r.prompt_len for r in rows]),
                "features": torch.cat([r.features.to("cpu") for r in rows]).contiguous(),
                "sampled": torch.tensor([int(r.sampled) for r in rows])}
+    metadata = {"format": str(FORMAT)}
+    widths = {None if r.topk_ids is None else r.topk_ids.shape[1] for r in rows}
+    if len(widths) == 1 and None not in widths:  # every row has its top-k, all of one k
+        tensors["topk_ids"] = torch.cat([r.topk_ids.to("cpu", torch.int32) for r in rows])
+        tensors["topk_logprobs"] = torch.cat([r.topk_logprobs.to("cpu", torch.float32) for r in rows])
+        metadata["topk"] = str(widths.pop())
     path = Path(folder) / f"{PREFIX}{time.time_ns():020d}-{os.getpid()}{SUFFIX}"
-    write_atomic(path, lambda p: save_file(tensors, p, metadata={"format": str(FORMAT)}))
+    write_atomic(path, lambda p: save_file(tensors, p, metadata=metadata))
     return path
 
 
@@ -130,13 +150,16 @@ class TrafficReader:
     def __init__(self, folder: str | Path):
         self.folder, self.meta = Path(folder), read_meta(folder)
         self._handles: dict[Path, object] = {}
-        self.index = []  # per row: (shard, ids begin, ids end, prompt_len, sampled, features begin)
+        self.index = []  # per row: (shard, ids begin, ids end, prompt_len, sampled, features begin, top-k begin)
         for path in shards(folder):
             with safe_open(path, framework="pt") as f:
                 offsets, prompts = f.get_tensor("offsets"), f.get_tensor("prompt_lens")
-                sampled = f.get_tensor("sampled")
-            # each row holds one feature fewer than its tokens: row i's features begin at its ids' begin - i
-            self.index += [(path, int(offsets[i]), int(offsets[i + 1]), p, bool(sampled[i]), int(offsets[i]) - i)
+                sampled, has_topk = f.get_tensor("sampled"), "topk" in (f.metadata() or {})
+            # each row holds one feature fewer than its tokens: row i's features begin at its ids' begin - i; its
+            # top-k (answer positions only) at its ids' begin less the prompt tokens of the rows before it
+            before = torch.cat([torch.zeros(1, dtype=torch.long), prompts.cumsum(0)]).tolist()
+            self.index += [(path, int(offsets[i]), int(offsets[i + 1]), p, bool(sampled[i]), int(offsets[i]) - i,
+                            int(offsets[i]) - before[i] if has_topk else None)
                            for i, p in enumerate(prompts.tolist())]
 
     def __len__(self) -> int:
@@ -163,5 +186,15 @@ class TrafficReader:
 
     def features(self, i: int, start: int = 0) -> torch.Tensor:
         """Row i's features from position ``start`` on: [T - 1 - start, F]."""
-        path, begin, end, _, _, first = self.index[i]
+        path, begin, end, _, _, first, _ = self.index[i]
         return self._handle(path).get_slice("features")[first + start: first + end - begin - 1]
+
+    def topk(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Row i's top-k at its answer positions (the prompt's last on): ids [T - prompt_len, k] int32 and
+        log-probabilities [T - prompt_len, k]; None for rows recorded without them."""
+        path, begin, end, prompt, _, _, first = self.index[i]
+        if first is None:
+            return None
+        handle, answer = self._handle(path), end - begin - prompt
+        return (handle.get_slice("topk_ids")[first: first + answer],
+                handle.get_slice("topk_logprobs")[first: first + answer])
