@@ -5,9 +5,9 @@ The decode loop already hands every drafter what the heads learn from: the promp
 (``Outcome.hidden``, ``Outcome.emitted``), and the backbone's logits that chose each token (``Prefill.logits``,
 ``Outcome.logits``), of which a recording keeps the top ``TOPK`` as log-probabilities (the backbone's own
 distribution, temperature 1, also for sampled rows: soft targets for the heads). ``Recording`` wraps a drafter and
-keeps a copy of all of it as the loop passes it in, so recording touches no decode path and changes nothing it computes: one prompt and every row of a batch
-are recorded alike, and the output is the same with recording on and off. At the end of the call ``Recorder.write``
-appends the rows to the store as one shard.
+keeps a copy of all of it as the loop passes it in, so recording touches no decode path and changes nothing it
+computes: one prompt and every row of a batch are recorded alike, and the output is the same with recording on and
+off. At the end of the call ``Recorder.write`` appends the rows to the store as one shard.
 """
 
 from __future__ import annotations

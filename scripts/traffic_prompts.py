@@ -245,9 +245,9 @@ def word_problem_texts() -> list[str]:
 
 def generated_math_texts(seed: int, draws: int = MATH_DRAWS) -> list[str]:
     """The problems of mathgenerator's generators that read as words (four words of two letters or more outside the
-    ``$...$`` formulas; a draw that raises counts as a try): up to ``draws`` distinct ones a generator in ``4 * draws`` tries, drawn from ``random``
-    seeded with ``seed`` (mathgenerator draws from the module's state, restored after); a generator that gives under
-    3 (a fixed text) is dropped."""
+    ``$...$`` formulas; a draw that raises counts as a try): up to ``draws`` distinct ones a generator in ``4 *
+    draws`` tries, drawn from ``random`` seeded with ``seed`` (mathgenerator draws from the module's state, restored
+    after); a generator that gives under 3 (a fixed text) is dropped."""
     try:
         import mathgenerator
     except ImportError:
