@@ -217,6 +217,71 @@ def test_adapt_raises_acceptance_on_prompts_of_the_recorded_kind(tmp_path, backb
             report["after"][part]["tree_tau_empirical"], abs=1e-4), (part, again, report)
 
 
+def test_adapt_kl_reads_each_targets_recorded_top_k_and_refuses_traffic_without_it(tmp_path, backbone_dir,
+                                                                                   data_dir, monkeypatch):
+    """``adapt --loss kl``: the teacher a batch gives at window position s is the top-k the backbone computed there
+    (its most likely token: the one it emitted at s + 1), through both window offsets (the prompt tail an example
+    skips, the positions a window skips); positions outside the answer have none; replay rows have none. A run
+    trains on it; traffic recorded without a top-k is refused before any work."""
+    import dataclasses
+
+    from tokenmaxx.heads import load_backbone
+    from tokenmaxx.training.adapt import AdaptConfig, MixedFeatures, RecordedFeatures, Recordings, adapt, \
+        traffic_examples
+    from tokenmaxx.training.batches import collate
+
+    model, _ = load_backbone(str(backbone_dir), dtype="float32")
+    random_eagle3(model, seed=4, scale=0.3).save_pretrained(tmp_path / "heads")
+    gen = SpeculativeGenerator(model, random_eagle3(model, seed=4, scale=0.3), draft="heads", costs=None)
+    rows = _kind_a(model.config.vocab_size, 12, seed=0)
+    for first in range(0, len(rows), 4):
+        gen.generate(rows[first: first + 4], max_new_tokens=16, record=tmp_path / "traffic")
+    reader = Recordings([str(tmp_path / "traffic")])
+    examples, _, keys = traffic_examples(reader, seq_len=64, share=0.2, context=6)  # skips the longer prompts' heads
+    recorded = RecordedFeatures(reader)
+    features = MixedFeatures({e.row: (recorded, key) for e, key in zip(examples, keys)}, torch.device("cpu"),
+                             torch.float32)
+    data = type("Data", (), {"examples": {e.row: e for e in examples}})()
+    checked = 0
+    for context in (6, 2):  # windows from the example's start, and windows that skip prompt positions too
+        batch = collate(data, [e.row for e in examples], context)
+        ids, logp = features.teacher(batch)
+        assert ids.shape == logp.shape == (*batch.input_ids.shape, record.TOPK)
+        for b, (row, start, length) in enumerate(zip(batch.rows, batch.starts, batch.lengths.tolist())):
+            i, skip = keys[row]
+            top_ids, top_logp = reader.topk(i)
+            answer = int(batch.answer_start[b])
+            for s in range(batch.input_ids.shape[1]):
+                if answer - 1 <= s < length - 1:  # the backbone chose token s + 1 here
+                    j = skip + start + s - (reader.prompt_len(i) - 1)
+                    assert ids[b, s].tolist() == top_ids[j].tolist() and torch.equal(logp[b, s], top_logp[j])
+                    assert ids[b, s, 0] == batch.input_ids[b, s + 1]
+                    checked += 1
+                else:
+                    assert torch.isinf(logp[b, s]).all()
+    assert checked > 100
+
+    def run(folders, out, **kw):
+        return adapt(AdaptConfig(heads=str(tmp_path / "heads"), traffic=[str(f) for f in folders],
+                                 output_dir=str(tmp_path / out), replay=str(data_dir), replay_share=0.25,
+                                 replay_eval=4, dtype="float32", max_steps=3, lr=1e-3, warmup=1, micro_batch_size=4,
+                                 held_out=0.2, prompt_context=None, **kw))
+
+    report = run([tmp_path / "traffic"], "run", loss="kl")
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert report["steps"] == 3 and all(r["head_kl"][0] > 0 for r in steps if r.get("split") == "train")
+    old_row = record.Recording.row  # an older tokenmaxx's recording: no top-k
+    monkeypatch.setattr(record.Recording, "row", lambda self, sampled: dataclasses.replace(
+        old_row(self, sampled), topk_ids=None, topk_logprobs=None))
+    gen.generate(rows[:4], max_new_tokens=16, record=tmp_path / "old")
+    with pytest.raises(ValueError, match="--loss kl learns from the backbone's recorded top-k, but --traffic .*old "
+                                         "was recorded without it"):
+        run([tmp_path / "old"], "run-old", loss="kl")
+    assert not (tmp_path / "run-old").exists()
+    with pytest.raises(ValueError, match="--loss must be one of"):
+        AdaptConfig(heads="h", traffic="t", output_dir="o", loss="mse")
+
+
 def test_traffic_windows_read_the_prompt_tail_then_the_answer_and_count_what_seq_len_cuts(caplog):
     from tokenmaxx.training.adapt import traffic_examples
 

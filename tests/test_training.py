@@ -16,7 +16,7 @@ from tokenmaxx.inference import Tree
 from tokenmaxx.training.batches import collate, group_by_length, load_data, step_micro_batches
 from tokenmaxx.training.ds_setup import DeepSpeedConfigError, resolve_ds_config
 from tokenmaxx.training.features import BackboneFeatures, FeatureCache
-from tokenmaxx.training.losses import HeadsObjective, head_weights, shifted_targets, teacher_rows
+from tokenmaxx.training.losses import HeadsObjective, head_weights, shifted_targets, sparse_teacher, teacher_rows
 from tokenmaxx.training.metrics import RankCounts, scoring_tree
 from tokenmaxx.training.train_config import TrainConfig
 from tokenmaxx.training.trainer import serving_tree
@@ -129,6 +129,57 @@ def test_objective_mtp_scores_each_depth_of_the_unroll(loss):
         assert (s1[1] > 0).all()
     with pytest.raises(ValueError, match="embed=model.get_input_embeddings"):
         objective(hidden, ids, answer_start, lengths, lm_head)
+
+
+def test_a_given_top_k_teacher_is_renormalised_over_the_vocabulary_and_a_missing_one_is_the_token_itself():
+    """``given_teacher`` (adapt's recorded top-k): the teacher at a position is its top-k inside the loss vocabulary,
+    renormalised, zero elsewhere; where none is given (or none of it is in the vocabulary) it is the position's next
+    token, so that the KL is the cross-entropy there, value and gradients."""
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    need = torch.tensor([[False, True, True, True, False]])
+    top_ids = torch.tensor([[[0, 0], [7, 3], [1, 2], [4, 5], [0, 0]]])
+    top_logp = torch.tensor([[[-9.0, -9.0], [-0.5, -1.5], [-0.1, -3.0], [-1.0, float("-inf")], [-9.0, -9.0]]])
+    teacher = sparse_teacher((top_ids, top_logp), need, ids, size=10)  # every token in the vocabulary
+    assert teacher.shape == (3, 10)
+    torch.testing.assert_close(teacher.exp().sum(-1), torch.ones(3))
+    torch.testing.assert_close(teacher[0, [7, 3]], torch.tensor([-0.5, -1.5]).log_softmax(-1))
+    assert teacher[2, 4] == 0.0 and (teacher[2].exp() > 0).sum() == 1  # the -inf slot is no token
+    index = torch.full((10,), -1)
+    index[torch.tensor([3, 7, 8, 9])] = torch.arange(4)  # a 4-token vocabulary: 3 7 8 9
+    over = sparse_teacher((top_ids, top_logp), need, ids, size=4, index=index)
+    torch.testing.assert_close(over[0], torch.tensor([-1e4, 0.0, -1e4, -1e4]).index_put(
+        (torch.tensor([0, 1]),), torch.tensor([-1.5, -0.5]).log_softmax(-1)))  # 7 and 3, renormalised
+    assert over[1].argmax() == 2 and over[1].max() == 0.0  # 1 and 2 are outside: the next token, 8, itself
+    assert over[2].argmax() == 3 and over[2].max() == 0.0  # 4 is outside: 9
+    alone = sparse_teacher(None, need, ids, size=10)  # nothing given: one-hot at the next tokens 7, 8, 9
+    assert alone.argmax(-1).tolist() == [7, 8, 9] and alone.max(-1).values.tolist() == [0.0, 0.0, 0.0]
+
+    model = tiny_model("llama")
+    lm_head, embed = model.lm_head, model.get_input_embeddings()
+    heads = MTPHeads.for_backbone(model, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    answer_start, lengths = torch.tensor([4, 6]), torch.tensor([10, 8])
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+    results = []
+    for loss, given in (("ce", False), ("kl", True)):
+        objective = HeadsObjective(heads, loss=loss, given_teacher=given)
+        heads.zero_grad()
+        value, stats = objective(hidden, ids, answer_start, lengths, lm_head, embed=embed)
+        value.backward()
+        results.append((value.detach(), [p.grad.clone() for p in heads.parameters()]))
+    (ce, g_ce), (kl, g_kl) = results
+    torch.testing.assert_close(kl, ce)
+    for a, b in zip(g_ce, g_kl):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # a soft teacher moves the loss and its gradient: head k at t is pulled towards the top-k at t+k
+    soft_ids = torch.randint(3, 96, (2, 10, 4), generator=torch.Generator().manual_seed(3))
+    soft = (soft_ids, torch.randn(2, 10, 4).log_softmax(-1))
+    objective = HeadsObjective(heads, loss="kl", given_teacher=True)
+    value, stats = objective(hidden, ids, answer_start, lengths, lm_head, embed=embed, given=soft)
+    assert not torch.allclose(value, ce) and (stats[1] > 0).all()
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mtp"])

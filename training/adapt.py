@@ -12,8 +12,10 @@ training data so that what they knew is kept, and ships the result only if it sc
 2. replay     rows of ``--replay`` (a self-distilled dataset): a seeded sample of its training rows, and of the rows
               the heads' own run held out (the split it recorded); their features computed once by the backbone and
               cached in the run folder (``features.FeatureCache``)
-3. train      cross-entropy on the backbone's tokens (greedy traffic: its argmax), from the heads' weights, over their
-              draft vocabulary; the heads as they serve scored first on the held-out rows
+3. train      cross-entropy on the backbone's tokens (greedy traffic: its argmax), or with ``--loss kl`` the KL to
+              the backbone's recorded top-k (its own distribution, renormalised over the draft vocabulary; replay
+              rows and rows recorded without it: their own token), from the heads' weights, over their draft
+              vocabulary; the heads as they serve scored first on the held-out rows
 4. ship       the candidate becomes OUT/heads when its held-out traffic tau (``tree_tau_empirical``) beats the init
               heads' as they serve (their own prompt context) by ``--min_gain``; otherwise it is removed and the
               report says why. OUT/adapt.json: before and after, per category ("traffic", "replay"), and the
@@ -41,7 +43,7 @@ from .batches import Example, SelfDistilledData, load_data, window_start
 from .checkpoints import atomic_write_text
 from .evaluation import SPLIT_FIELDS, evaluate_heads, recorded_split, recorded_training
 from .features import FeatureCache, _pad_windows
-from .train_config import DTYPES, TrainConfig, default_threads
+from .train_config import DTYPES, LOSSES, TrainConfig, default_threads
 from .trainer import TrainSource, train
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,10 @@ class AdaptConfig:
         "help": "replay answer tokens per traffic answer token trained on (2: two to one; less let the categories "
                 "the traffic lacks fall)"})
     replay_eval: int = field(default=64, metadata={"help": "held-out replay rows scored before and after"})
+    loss: str = field(default="ce", metadata={
+        "help": "ce: cross-entropy on the backbone's tokens; kl: KL to its recorded top-k (soft targets: how sure it "
+                "was, and its runners-up; the replay rows and rows recorded without a top-k: their token); ce+kl: "
+                "both"})
     held_out: float = field(default=0.1, metadata={"help": "share of the traffic rows held out for the score"})
     min_gain: float = field(default=0.0, metadata={
         "help": "ship only if held-out traffic tau rises by more than this"})
@@ -105,6 +111,8 @@ class AdaptConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {LOSSES}, got {self.loss!r}")
 
 
 class Recordings:
@@ -133,6 +141,10 @@ class Recordings:
         reader, j = self.index[i]
         return reader.features(j, start)
 
+    def topk(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        reader, j = self.index[i]
+        return reader.topk(j)
+
 
 class RecordedFeatures:
     """``window(i, start)`` of recorded row i: its features from ``start`` on, one zero row for the last position
@@ -146,6 +158,22 @@ class RecordedFeatures:
         i, skip = key
         states = self.reader.features(i, skip + start)
         return torch.cat([states, states.new_zeros(1, states.shape[1])])
+
+    def topk_window(self, key: tuple[int, int], start: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The recorded top-k at the window's ``length`` positions from ``start``: ids [length, k] and log-probs
+        (-inf at the prompt positions before the last, which have none); None for a row recorded without it."""
+        i, skip = key
+        top = self.reader.topk(i)
+        if top is None:
+            return None
+        ids, logp = top
+        first = self.reader.prompt_len(i) - 1 - (skip + start)  # window position of the recorded top-k's first row
+        out_ids = torch.zeros(length, ids.shape[1], dtype=torch.long)
+        out_logp = torch.full((length, ids.shape[1]), float("-inf"))
+        lo, hi = max(first, 0), min(length, first + ids.shape[0])
+        if hi > lo:
+            out_ids[lo:hi], out_logp[lo:hi] = ids[lo - first: hi - first].long(), logp[lo - first: hi - first].float()
+        return out_ids, out_logp
 
 
 class MixedFeatures:
@@ -161,6 +189,24 @@ class MixedFeatures:
             source, key = self.where[row]
             windows.append(source.window(key, start)[:length].to(self.dtype))
         return _pad_windows(windows, batch.input_ids.shape[1]).to(self.device)
+
+    def teacher(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch's recorded top-k teacher: ids and log-probs [B, W, k] (-inf where a position or row has none);
+        None when no row of the batch has one (``losses.sparse_teacher`` then teaches each position its token)."""
+        tops = []
+        for row, start, length in zip(batch.rows, batch.starts, batch.lengths.tolist()):
+            source, key = self.where[row]
+            window = getattr(source, "topk_window", None)
+            tops.append(None if window is None else window(key, start, length))
+        if all(t is None for t in tops):
+            return None
+        width, k = batch.input_ids.shape[1], max(t[0].shape[1] for t in tops if t is not None)
+        ids = torch.zeros(len(tops), width, k, dtype=torch.long)
+        logp = torch.full((len(tops), width, k), float("-inf"))
+        for b, top in enumerate(tops):
+            if top is not None:
+                ids[b, :top[0].shape[0], :top[0].shape[1]], logp[b, :top[1].shape[0], :top[1].shape[1]] = top
+        return ids.to(self.device), logp.to(self.device)
 
 
 def check_traffic(meta: dict, heads, model, folder, context: int) -> None:
@@ -247,6 +293,9 @@ def adapt(cfg: AdaptConfig) -> dict:
     folders = " ".join(cfg.traffic)
     seq_len = cfg.seq_len or max((p + a for _, p, a in traffic_windows(reader, context)), default=1)
     examples, held, keys = traffic_examples(reader, seq_len, cfg.held_out, context)
+    if cfg.loss != "ce" and not any(one.has_topk(i) for one in reader.readers for i in range(len(one))):
+        raise ValueError(f"--loss {cfg.loss} learns from the backbone's recorded top-k, but --traffic {folders} was "
+                         "recorded without it (by an older tokenmaxx): record again, or use --loss ce")
     train_rows = [e.row for e, h in zip(examples, held) if not h]
     eval_rows = [e.row for e, h in zip(examples, held) if h]
     if not train_rows or not eval_rows:
@@ -313,7 +362,7 @@ def adapt(cfg: AdaptConfig) -> dict:
         feature_layers=list(heads.config.feature_layers) if heads.config.feature_layers else None,
         init_heads=cfg.heads, prompt_context=prompt_context,
         draft_vocab_size=int(vocab.numel()) if vocab is not None else None,
-        loss="ce", loss_vocab=loss_vocab, head_decay=training.get("head_decay", 0.8), max_steps=cfg.max_steps,
+        loss=cfg.loss, loss_vocab=loss_vocab, head_decay=training.get("head_decay", 0.8), max_steps=cfg.max_steps,
         lr=cfg.lr, warmup=min(cfg.warmup, cfg.max_steps), micro_batch_size=cfg.micro_batch_size,
         grad_accum=cfg.grad_accum, save_every=cfg.save_every, resume=cfg.resume, eval_fraction=cfg.held_out,
         eval_max_examples=len(eval_rows))
@@ -321,7 +370,8 @@ def adapt(cfg: AdaptConfig) -> dict:
     served = functools.partial(evaluate_heads, heads, model, data, micro_batch_size=cfg.micro_batch_size,
                                features=features)
     result = train(train_cfg, model=model, source=TrainSource(data, features, vocab, score_before=served,
-                                                              extra={REPLAY_SPLIT: {**split, "seen_parts": started}}))
+                                                              extra={REPLAY_SPLIT: {**split, "seen_parts": started}},
+                                                              given_teacher=cfg.loss != "ce"))
     report = _report(cfg, result, data)
     shipped = out / "heads"
     if report["shipped"]:

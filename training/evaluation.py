@@ -62,7 +62,8 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
     draft = heads.draft_vocab.cpu() if heads.draft_vocab is not None else None
     loss_over_draft = training.get("loss_vocab") == "draft" and vocab == "draft"
     objective = HeadsObjective(heads, training.get("loss", "ce"), training.get("head_decay", 0.8),
-                               vocab=draft if loss_over_draft else None)
+                               vocab=draft if loss_over_draft else None,
+                               given_teacher=getattr(features, "teacher", None) is not None)
     rank_vocab = draft if vocab == "draft" and not loss_over_draft else None
     if features is None:
         features = BackboneFeatures(model, data, objective.feature_layers(final_state_index(model)))

@@ -6,7 +6,9 @@ of a sequential kind (EAGLE-3, MTP) at anchor t follows it as head k = d.
 
 A sequence is prompt + answer (the backbone's own answer); only targets inside the answer are trained. With
 ``loss="kl"`` head k at t is pulled towards the backbone's own next-token distribution at position t+k (which is the
-backbone's prediction of the same token t+k+1), computed from the cached hidden state through the frozen lm_head.
+backbone's prediction of the same token t+k+1), computed from the cached hidden state through the frozen lm_head,
+or, where the run's features give it (``given_teacher``: recorded traffic keeps the backbone's top-k), the given
+top-k renormalised over the loss vocabulary (``sparse_teacher``); a position without one is taught its own token.
 
 Letters: B batch, T time, K heads (the draft depth of the sequential kinds), V vocabulary, H hidden size, n selected
 positions.
@@ -76,6 +78,46 @@ def teacher_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return need, row
 
 
+def given_teacher(features, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The top-k teacher a run's features give for a batch (``features.teacher(batch)``: ids and log-probs
+    [B, W, k], -inf where absent), or None where they give none."""
+    teacher = getattr(features, "teacher", None)
+    return None if teacher is None else teacher(batch)
+
+
+def sparse_teacher(given: tuple[torch.Tensor, torch.Tensor] | None, need: torch.Tensor, input_ids: torch.Tensor,
+                   size: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense teacher log-probs [m, size] at the needed positions (``need`` [B, T], m of them, in ``teacher_rows``
+    order) from a given top-k: ids and log-probs [B, T, k] (-inf where a slot or a position has none) or None.
+
+    The top-k tokens inside the loss vocabulary (``index``: token id -> position in it, -1 outside; None: every
+    token, positions = ids) keep their log-probs, renormalised over them; the others get probability 0 (a finite
+    -1e4, so that 0 * log 0 terms stay 0). A position whose top-k holds none of the vocabulary's tokens is taught
+    its own next token (one-hot: the KL is then the cross-entropy).
+    """
+    device = input_ids.device
+    nxt = torch.cat([input_ids[:, 1:], input_ids.new_zeros(input_ids.shape[0], 1)], dim=1)[need]  # [m]
+    m = nxt.numel()
+    if given is None:
+        ids = nxt[:, None]
+        logp = torch.zeros(m, 1, dtype=torch.float32, device=device)
+    else:
+        ids, logp = given[0][need].to(device, torch.long), given[1][need].to(device, torch.float32)  # [m, k]
+    pos = ids if index is None else index[ids]
+    keep = (pos >= 0) & torch.isfinite(logp)
+    lone = ~keep.any(-1)  # [m]: nothing of the top-k in the vocabulary, or no top-k recorded: the token itself
+    if lone.any():
+        own = nxt[lone] if index is None else index[nxt[lone]]
+        pos, logp, keep = pos.clone(), logp.clone(), keep.clone()
+        pos[lone, 0], logp[lone, 0], keep[lone] = own.clamp(min=0), 0.0, False
+        keep[lone, 0] = True
+    logp = torch.where(keep, logp, float("-inf"))
+    logp = logp - logp.logsumexp(-1, keepdim=True)
+    teacher = torch.full((m, size), -1e4, dtype=torch.float32, device=device)
+    rows = torch.arange(m, device=device)[:, None].expand_as(pos)
+    teacher[rows[keep], pos[keep]] = logp[keep]
+    return teacher
+
 
 def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None = None,
                          rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,13 +167,17 @@ class HeadsObjective(nn.Module):
     ``vocab`` (token ids, e.g. the heads' draft vocabulary): score over those tokens only, the distribution being
     the softmax over them (what drafting with that vocabulary ranks). Targets outside it are not trained; the
     targets and the KL teacher are re-indexed into it (``Selection.targets`` then holds positions in ``vocab``).
+
+    ``given_teacher``: the KL teacher is the top-k the run's features give per batch (``forward``'s ``given``;
+    ``sparse_teacher``), not the backbone's distribution computed from the final state.
     """
 
     def __init__(self, heads: nn.Module, loss: str = "ce", head_decay: float = 0.8,
-                 vocab: torch.Tensor | None = None):
+                 vocab: torch.Tensor | None = None, given_teacher: bool = False):
         super().__init__()
         self.heads = heads
         self.loss_kind = loss
+        self.given_teacher = given_teacher
         self.weights = head_weights(heads.config.num_heads, head_decay)  # plain floats: not a checkpointed buffer
         self.fused = heads.config.share_lm_head  # scored through the frozen lm_head's weight (linear_cross_entropy)
         # plain attributes, not buffers: nothing here is trained or checkpointed
@@ -144,7 +190,7 @@ class HeadsObjective(nn.Module):
         self._tables_key = self._tables = None  # see ``vocab_tables``, and which lm_head weight they were made from
         # heads that read other hidden states than the final-normed one (EAGLE-3) get it appended for the KL teacher:
         # their features are then [.., F + H], the last H columns the final state (``feature_layers`` says which)
-        self.teacher_appended = loss != "ce" and heads.feature_layers is not None
+        self.teacher_appended = loss != "ce" and heads.feature_layers is not None and not given_teacher
 
     def feature_layers(self, final: int) -> list[int] | None:
         """The backbone hidden states a batch's features hold (None: the final-normed state alone): the heads' own,
@@ -188,13 +234,15 @@ class HeadsObjective(nn.Module):
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
                 lengths: torch.Tensor, lm_head: nn.Module, embed: nn.Module | None = None,
-                norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                norm: torch.Tensor | None = None,
+                given: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, H] final-normed backbone states; input_ids [B, T]; answer_start, lengths [B]; embed: the
-        backbone's input embedding (sequential heads read tokens through it); norm: see ``loss``.
+        backbone's input embedding (sequential heads read tokens through it); norm: see ``loss``; given: the batch's
+        top-k teacher (``given_teacher``).
 
         Returns (weighted loss scalar, stats [len(STATS), K] detached: mean CE, mean KL, top-1 hits, target count).
         """
-        sel = self.select(hidden, input_ids, answer_start, lengths, lm_head)
+        sel = self.select(hidden, input_ids, answer_start, lengths, lm_head, given)
         num_heads, n = sel.targets.shape
         trained = sel.trained
         safe = torch.where(trained, sel.targets, 0).flatten()  # [K*n] (other rows get weight 0 below)
@@ -237,9 +285,11 @@ class HeadsObjective(nn.Module):
         return logits if self.vocab is None else logits[..., self.vocab.to(logits.device)]
 
     def select(self, hidden: torch.Tensor, input_ids: torch.Tensor, answer_start: torch.Tensor,
-               lengths: torch.Tensor, lm_head: nn.Module) -> Selection:
+               lengths: torch.Tensor, lm_head: nn.Module,
+               given: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection:
         """The positions where some head trains, with their targets and KL teacher rows (the backbone's own
-        distributions, through the frozen lm_head, for ``loss`` "kl" and "ce+kl")."""
+        distributions, through the frozen lm_head, or the given top-k (``given_teacher``), for ``loss`` "kl" and
+        "ce+kl")."""
         num_heads = len(self.weights)
         targets, valid = shifted_targets(input_ids, answer_start, lengths, num_heads)  # [K, B, T] x2
         selected = valid.any(0)  # [B, T]
@@ -248,8 +298,13 @@ class HeadsObjective(nn.Module):
             dtype = next(self.heads.parameters()).dtype
             need, row = teacher_rows(valid)  # [B, T], [K, B, T]
             with torch.no_grad():
-                final = self._split(hidden)[1]
-                teacher = F.log_softmax(self._project(final[need].to(dtype), lm_head).float(), dim=-1)  # [m, V]
+                if self.given_teacher:
+                    index = None if self.vocab is None else self.vocab_tables(lm_head)[1]
+                    size = lm_head.weight.shape[0] if self.vocab is None else self.vocab.numel()
+                    teacher = sparse_teacher(given, need, input_ids, size, index)  # [m, V]
+                else:
+                    final = self._split(hidden)[1]
+                    teacher = F.log_softmax(self._project(final[need].to(dtype), lm_head).float(), dim=-1)  # [m, V]
             row = row[:, selected]  # [K, n]
         targets = targets[:, selected]  # [K, n]
         in_vocab = None

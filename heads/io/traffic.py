@@ -189,6 +189,10 @@ class TrafficReader:
         path, begin, end, _, _, first, _ = self.index[i]
         return self._handle(path).get_slice("features")[first + start: first + end - begin - 1]
 
+    def has_topk(self, i: int) -> bool:
+        """Whether row i was recorded with the backbone's top-k (from the index: nothing is read)."""
+        return self.index[i][6] is not None
+
     def topk(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Row i's top-k at its answer positions (the prompt's last on): ids [T - prompt_len, k] int32 and
         log-probabilities [T - prompt_len, k]; None for rows recorded without them."""
