@@ -370,8 +370,7 @@ def adapt(cfg: AdaptConfig) -> dict:
     served = functools.partial(evaluate_heads, heads, model, data, micro_batch_size=cfg.micro_batch_size,
                                features=features)
     result = train(train_cfg, model=model, source=TrainSource(data, features, vocab, score_before=served,
-                                                              extra={REPLAY_SPLIT: {**split, "seen_parts": started}},
-                                                              given_teacher=cfg.loss != "ce"))
+                                                              extra={REPLAY_SPLIT: {**split, "seen_parts": started}}))
     report = _report(cfg, result, data)
     shipped = out / "heads"
     if report["shipped"]:

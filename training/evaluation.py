@@ -18,7 +18,7 @@ import torch
 
 from .batches import SelfDistilledData, load_data
 from .features import BackboneFeatures, final_state_index
-from .losses import HeadsObjective
+from .losses import HeadsObjective, gives_teacher
 from .metrics import evaluate, scoring_tree
 
 SPLITS = ("held_out", "all")
@@ -63,7 +63,7 @@ def evaluate_heads(heads, model, data: str | Path | SelfDistilledData, *, split:
     loss_over_draft = training.get("loss_vocab") == "draft" and vocab == "draft"
     objective = HeadsObjective(heads, training.get("loss", "ce"), training.get("head_decay", 0.8),
                                vocab=draft if loss_over_draft else None,
-                               given_teacher=getattr(features, "teacher", None) is not None)
+                               given_teacher=gives_teacher(features))
     rank_vocab = draft if vocab == "draft" and not loss_over_draft else None
     if features is None:
         features = BackboneFeatures(model, data, objective.feature_layers(final_state_index(model)))

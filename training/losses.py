@@ -78,11 +78,10 @@ def teacher_rows(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return need, row
 
 
-def given_teacher(features, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The top-k teacher a run's features give for a batch (``features.teacher(batch)``: ids and log-probs
-    [B, W, k], -inf where absent), or None where they give none."""
-    teacher = getattr(features, "teacher", None)
-    return None if teacher is None else teacher(batch)
+def gives_teacher(features) -> bool:
+    """Whether a run's features give a KL teacher per batch (``features.teacher(batch)``: top-k ids and log-probs
+    [B, W, k], -inf where absent; adapt's recorded traffic)."""
+    return callable(getattr(features, "teacher", None))
 
 
 def sparse_teacher(given: tuple[torch.Tensor, torch.Tensor] | None, need: torch.Tensor, input_ids: torch.Tensor,
@@ -169,7 +168,8 @@ class HeadsObjective(nn.Module):
     targets and the KL teacher are re-indexed into it (``Selection.targets`` then holds positions in ``vocab``).
 
     ``given_teacher``: the KL teacher is the top-k the run's features give per batch (``forward``'s ``given``;
-    ``sparse_teacher``), not the backbone's distribution computed from the final state.
+    ``sparse_teacher``), not the backbone's distribution computed from the final state (kept only for a KL loss:
+    a cross-entropy run reads no teacher).
     """
 
     def __init__(self, heads: nn.Module, loss: str = "ce", head_decay: float = 0.8,
@@ -177,7 +177,7 @@ class HeadsObjective(nn.Module):
         super().__init__()
         self.heads = heads
         self.loss_kind = loss
-        self.given_teacher = given_teacher
+        self.given_teacher = given_teacher and loss != "ce"
         self.weights = head_weights(heads.config.num_heads, head_decay)  # plain floats: not a checkpointed buffer
         self.fused = heads.config.share_lm_head  # scored through the frozen lm_head's weight (linear_cross_entropy)
         # plain attributes, not buffers: nothing here is trained or checkpointed
@@ -190,7 +190,7 @@ class HeadsObjective(nn.Module):
         self._tables_key = self._tables = None  # see ``vocab_tables``, and which lm_head weight they were made from
         # heads that read other hidden states than the final-normed one (EAGLE-3) get it appended for the KL teacher:
         # their features are then [.., F + H], the last H columns the final state (``feature_layers`` says which)
-        self.teacher_appended = loss != "ce" and heads.feature_layers is not None and not given_teacher
+        self.teacher_appended = loss != "ce" and heads.feature_layers is not None and not self.given_teacher
 
     def feature_layers(self, final: int) -> list[int] | None:
         """The backbone hidden states a batch's features hold (None: the final-normed state alone): the heads' own,

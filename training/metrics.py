@@ -26,7 +26,7 @@ from tokenmaxx.heads.config import lookback
 
 from .batches import SelfDistilledData, collate, eval_micro_batches
 from .checkpoints import atomic_write_text
-from .losses import given_teacher, logits_cross_entropy
+from .losses import logits_cross_entropy
 
 log = logging.getLogger(__name__)
 RANKS = 8
@@ -145,7 +145,7 @@ def evaluate(objective, lm_head, features, data: SelfDistilledData, tree: Tree, 
     for batch_rows in tqdm(micro_batches, desc="held-out evaluation", unit="batch", leave=False, disable=rank != 0):
         batch = collate(data, batch_rows, lookback(objective.heads.config)).to(device)
         hidden = features.hidden(batch)  # [B, W, H]
-        given = given_teacher(features, batch) if objective.given_teacher else None
+        given = features.teacher(batch) if objective.given_teacher else None
         sel = objective.select(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head, given)
         logits = objective.head_logits(hidden, batch.input_ids, sel.selected, lm_head, embed)  # [K, n, V]
         targets, valid, trained = sel.targets, sel.valid, sel.trained  # [K, n]

@@ -48,7 +48,7 @@ from .batches import SelfDistilledData, collate, load_data, part_digests, step_m
 from .checkpoints import atomic_write_text
 from .ds_setup import build_engine, comm_device, init_distributed, resolve_ds_config, steps_per_epoch, training_device
 from .features import BackboneFeatures, FeatureCache, final_state_index
-from .losses import STATS, HeadsObjective, given_teacher, shifted_targets
+from .losses import STATS, HeadsObjective, gives_teacher, shifted_targets
 from .metrics import MetricsLogger, evaluate, scoring_tree
 from .train_config import TrainConfig
 
@@ -67,7 +67,6 @@ class TrainSource:
     vocab: torch.Tensor | None = None
     score_before: Callable[[], dict] | None = None
     extra: dict = field(default_factory=dict)  # recorded in the exported heads' config.extra beside the run's own
-    given_teacher: bool = False  # the KL teacher is features.teacher(batch) (recorded top-k), not the final state's
 
 
 @dataclass
@@ -270,7 +269,7 @@ def run_step(engine, features, data: SelfDistilledData, micro_batches: list[list
         t0 = clock(device)
         hidden = features.hidden(batch)  # [B, W, H]
         feature_s += clock(device) - t0
-        given = given_teacher(features, batch) if engine.module.given_teacher else None
+        given = features.teacher(batch) if engine.module.given_teacher else None
         loss, stats = engine(hidden, batch.input_ids, batch.answer_start, batch.lengths, lm_head=lm_head,
                              embed=embed, norm=norm, given=given)
         engine.backward(loss)
@@ -349,7 +348,7 @@ def train(cfg: TrainConfig, model=None, stop_after: int | None = None,
               f"sequences hold only {vocab_record['size']} distinct tokens (more data gives a larger draft "
               "vocabulary)", file=sys.stderr, flush=True)
     objective = HeadsObjective(heads, cfg.loss, cfg.head_decay, vocab=vocab if cfg.loss_vocab == "draft" else None,
-                               given_teacher=source is not None and source.given_teacher)
+                               given_teacher=source is not None and gives_teacher(source.features))
     # held-out ranks over what the exported heads draft over (their draft vocabulary, where the run makes one), as
     # ``tokenmaxx eval`` scores them: one computation, labelled "vocab" in both records
     rank_vocab = vocab if objective.vocab is None else None
