@@ -21,9 +21,9 @@ Stages, in order (--stage runs up to that one; run again, each resumes where it 
                exists; export to --export. The held-out metrics come per category of the mix too (chat, math, rag,
                summarize, translate: make_data keeps each prompt's source as the record's category)
 
-Paths are relative to the repository root. Costs on a 2-core CPU: the mix builds in ~1.5 min; answers ~105 tokens/s
-in one process (the mix's prompts are long: multi-turn context, passages), ~55 min a part with native bf16, ~3.5 h a
-part in fp32 on an AVX2-only CPU; on a GPU (--device cuda) minutes in all. docs/benchmarks.md has the measured figures.
+Paths are relative to the repository root. The answers stage is the long one (the mix's prompts are long: multi-turn
+context, passages): hours a part on a CPU, minutes in all on a GPU (--device cuda). What each stage took, and on which
+machine: docs/benchmarks.md.
 """
 
 from __future__ import annotations
