@@ -31,10 +31,10 @@ from tokenmaxx.heads.io.backbones import DEVICE_HELP, resolve_device
 from tokenmaxx.inference.runner import BACKENDS, CaptureFallbackWarning, capture_backend, set_capture_backend
 from tokenmaxx.heads.machine import clock
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, DRAFT_MODES, Costs, SpeculativeGenerator, measure_costs
-from tokenmaxx.scripts.benchmark import (COMPILED, batch_table, compiled_method, hf_method, interleave_categories,
-                                           load_prompts, machine_info, markdown_table, plot, prompt_rows,
-                                           report_header, run_batch_benchmark, run_benchmark, selection_note, summarize,
-                                           tokenmaxx_method)
+from tokenmaxx.scripts.bench_report import batch_table, markdown_table, plot, report_header
+from tokenmaxx.scripts.benchmark import (COMPILED, compiled_method, hf_method, interleave_categories, load_prompts,
+                                           machine_info, prompt_rows, run_batch_benchmark, run_benchmark,
+                                           selection_note, summarize, tokenmaxx_method)
 from tokenmaxx.inference.drafting import NEEDS_HEADS
 from tokenmaxx.inference.runner import plan_record
 from tokenmaxx.scripts.errors import parse_flags, run_script

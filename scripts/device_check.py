@@ -26,7 +26,7 @@ import torch
 
 from tokenmaxx.heads import DEFAULT_BACKBONE, load_backbone
 from tokenmaxx.heads.machine import device_name
-from tokenmaxx.scripts.benchmark import batch_table, markdown_table
+from tokenmaxx.scripts.bench_report import batch_table, markdown_table
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 BF16_NOTE = ("bf16: a tree forward of N tokens and a one-token forward round differently, so near-tied logits can "

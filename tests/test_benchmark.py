@@ -12,9 +12,9 @@ import torch
 from helpers import random_eagle3, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.scripts.benchmark import (Prompt, compiled_method, figure, hf_method, interleave_categories,
-                                           load_prompts, markdown_table, prompt_rows, run_benchmark, selection_note,
-                                           summarize)
+from tokenmaxx.scripts.bench_report import batch_table, figure, markdown_table
+from tokenmaxx.scripts.benchmark import (Prompt, compiled_method, hf_method, interleave_categories, load_prompts,
+                                           prompt_rows, run_batch_benchmark, run_benchmark, selection_note, summarize)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,7 +204,6 @@ def test_the_batch_bench_runs_every_prompt_at_every_size_and_records_what_it_cho
     """run_batch_benchmark: each size covers every prompt (in batches of that size, the last filled by cycling), so
     sizes differ by their load only; fp32 greedy rows equal transformers' batched rows."""
     from tokenmaxx.inference import SpeculativeGenerator
-    from tokenmaxx.scripts.benchmark import batch_table, run_batch_benchmark
 
     model = tiny_model("llama", seed=3)
     model.generation_config.eos_token_id = None
