@@ -41,6 +41,11 @@ class OnTestDevice(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The lines of a command's stderr that argparse or ``run_script`` wrote as errors."""
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
 def seeded_generator(seed: int) -> torch.Generator:
     """A seeded generator on the test device (where sampling draws)."""
     return torch.Generator(device=TEST_DEVICE).manual_seed(seed)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import error_lines, tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
-from tokenmaxx.heads import DEFAULT_BACKBONE, DynamicTreeConfig, MTPHeads, Tree
+from tokenmaxx.heads import DEFAULT_BACKBONE, MTPHeads
 from tokenmaxx.inference import DEFAULT_DRAFT, DEFAULT_DTYPE, SpeculativeGenerator
 from tokenmaxx.scripts import bench, cli, generate
 
@@ -24,10 +24,6 @@ CONSOLE = Path(sys.executable).parent / "tokenmaxx"  # installed by pip from [pr
 
 def run(*command: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=120, cwd=REPO)
-
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if "error:" in line]
 
 
 # ---- defaults ------------------------------------------------------------------------------------------------------
@@ -301,38 +297,6 @@ def test_run_script_ends_any_user_error_in_one_line(err, capsys):
         run_script(main, ["--debug"])
 
 
-# ---- bench.py ------------------------------------------------------------------------------------------------------
-def test_bench_prompts_are_required(tmp_path, capsys):
-    for flags, message in [([], "the following arguments are required: --prompts"),
-                           (["--prompts", str(tmp_path / "missing.jsonl")], "missing.jsonl: no such file")]:
-        with pytest.raises(SystemExit) as exit_info:
-            bench.parse_args(flags)
-        errors = error_lines(capsys.readouterr().err)
-        assert exit_info.value.code == 2 and len(errors) == 1 and message in errors[0], errors
-
-
-def test_bench_method_names_give_draft_kind_tree_and_flags():
-    spec = bench.tokenmaxx_method_spec
-    assert spec("mtp", "hybrid") == ("heads", "mtp", None, False, False)
-    assert spec("mtp:dynamic:16@fixed", "hybrid") == ("heads", "mtp", "dynamic:16", True, False)
-    assert spec("hybrid:/runs/a@b/tree.json", "heads") == ("hybrid", None, "/runs/a@b/tree.json", False, False)
-    assert spec("tokenmaxx@fixed", "heads") == ("heads", None, None, True, False)
-    assert spec("medusa_hybrid", "heads") == ("hybrid", "medusa", None, False, False)
-    assert spec("lookup", "hybrid") == ("lookup", None, None, False, False)
-    assert spec("lookup@usual", "hybrid") == ("lookup", None, None, False, True)
-    assert spec("mtp:dynamic:16@usual@fixed", "hybrid") == ("heads", "mtp", "dynamic:16", True, True)
-    assert spec("baseline", "hybrid") is None and spec("mtp@whole", "hybrid") is None
-    with pytest.raises(ValueError, match="lookup drafting has no heads' tree"):
-        spec("lookup@fixed", "hybrid")
-
-
-def test_bench_records_the_tree_settings_as_json():
-    assert bench.tree_note(None) is None  # lookup-only drafting has no tree
-    assert bench.tree_note(DynamicTreeConfig(nodes=6, min_mass=0.0)) == {"nodes": 6, "topk": 8, "depth": None,
-                                                                         "min_mass": 0.0}
-    assert bench.tree_note(Tree([(1,), (0,), (0, 0)])) == [[0], [1], [0, 0]]
-
-
 # ---- the tokenmaxx console command ---------------------------------------------------------------------------------
 def test_console_help_lists_the_commands():
     assert CONSOLE.is_file(), f"{CONSOLE} is missing: reinstall (pip install --no-deps -e .)"
@@ -520,12 +484,3 @@ def test_generate_records_a_prompts_file_and_goes_on_where_it_stopped(tiny_folde
         generate.main(args)
     with pytest.raises(SystemExit):
         generate.parse_args(["--prompts_file", str(listed)])  # neither --compare nor --record
-
-
-def test_bench_names_more_heads_and_refuses_bad_names():
-    assert bench.named_heads("adapted=runs/a/heads, b=x") == {"adapted": "runs/a/heads", "b": "x"}
-    assert bench.named_heads(None) == {}
-    for bad, message in [("adapted", "expected NAME=PATH"), ("hybrid=x", "is a built-in method's"),
-                         ("a-b=x", "expected NAME=PATH")]:
-        with pytest.raises(ValueError, match=message):
-            bench.named_heads(bad)
