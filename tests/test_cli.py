@@ -420,14 +420,23 @@ def test_ctrl_c_ends_a_command_in_one_line_and_status_130(tiny_folders):
     import time
 
     backbone, heads = tiny_folders
-    proc = subprocess.Popen([str(CONSOLE), "generate", "--backbone", str(backbone), "--heads", str(heads), "--dtype",
-                             "float32", "--threads", "1", "--max_new_tokens", "16", "--raw", "--prompt", "a b c a b",
-                             "--compare", "--repeats", "100000", "--no_adaptive_budget"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    time.sleep(6)
-    assert proc.poll() is None, proc.communicate()[1][-2000:]  # still running
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    # The command gets SIGINT as a terminal gives it, even where this process was started with it ignored (a job put
+    # in the background by a non-interactive shell): a handled signal is the default one again after exec
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([str(CONSOLE), "generate", "--backbone", str(backbone), "--heads", str(heads),
+                                 "--dtype", "float32", "--threads", "1", "--max_new_tokens", "16", "--raw", "--prompt",
+                                 "a b c a b", "--compare", "--repeats", "100000", "--no_adaptive_budget"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        time.sleep(6)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]  # still running
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # (a failed test leaves no generate running: ended already, this does nothing)
     assert proc.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C)"
 
