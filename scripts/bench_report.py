@@ -64,8 +64,8 @@ def _tables(report: dict) -> str:
         table += _warmup_line(warm, notes)
     ours = {name: m["overall"] for name, m in methods.items() if "heads_round_share" in m["overall"]}
     if ours:  # where a round's time went, per tokenmaxx method
-        table += ("\n| method | heads proposed in | propose | verify | accept | commit | accepted heads / lookup / both |"
-                  "\n|---|---|---|---|---|---|---|\n")
+        table += ("\n| method | heads proposed in | propose | verify | accept | commit "
+                  "| accepted heads / lookup / both |\n|---|---|---|---|---|---|---|\n")
         for name, o in ours.items():
             ms, share = o.get("ms_per_round"), o["accepted_share"]  # (none: rounds not timed)
             table += (f"| {name} | {o['heads_round_share']:.0%} of rounds | " +
